@@ -1,0 +1,240 @@
+"""Typed messages that cross a process boundary: API, Redis, pool children, runners.
+
+Pure: imports neither redis nor mlx, so every process (and every unit test) can use it.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "timed_out"]
+TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
+Priority = Literal["high", "normal", "low"]
+MAX_STOP_STRINGS = 4
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class RunnerStatus(enum.StrEnum):
+    """The runner's lifecycle, as exo's runner supervisor names it."""
+
+    WAITING_FOR_MODEL = "WaitingForModel"
+    LOADING = "Loading"
+    LOADED = "Loaded"
+    WARMING_UP = "WarmingUp"
+    READY = "Ready"
+    RUNNING = "Running"
+    SHUTTING_DOWN = "ShuttingDown"
+    SHUTDOWN = "Shutdown"
+    FAILED = "Failed"
+
+    @property
+    def accepts_jobs(self) -> bool:
+        return self in (RunnerStatus.READY, RunnerStatus.RUNNING)
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RunnerStatus.SHUTDOWN, RunnerStatus.FAILED)
+
+
+class WireModel(BaseModel):
+    """Strict about unknown fields, so a typo in a request is an error, not a silent default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class SamplingParams(WireModel):
+    """What the runner needs to generate for one job."""
+
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS
+    )
+    ignore_eos: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _within_cap(cls, value: int, info: ValidationInfo) -> int:
+        # The cap is configuration (EXO_MAX_TOKENS): the API passes it as validation context.
+        cap = (info.context or {}).get("max_tokens_cap")
+        if cap is not None and value > cap:
+            raise ValueError(f"must be at most {cap} (EXO_MAX_TOKENS)")
+        return value
+
+
+class JobRequest(SamplingParams):
+    """Body of POST /v1/jobs."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    host: str | None = None
+    priority: Priority = "normal"
+    timeout_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> Self:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class JobOutput(BaseModel):
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Timings(BaseModel):
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+
+
+class JobRecord(BaseModel):
+    """The job as stored in Redis and returned by GET /v1/jobs/<id>."""
+
+    id: str
+    status: JobStatus = "queued"
+    model: str
+    request: JobRequest
+    host: str | None = None
+    runner_id: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime | None = None
+    first_token_at: datetime | None = None
+    finished_at: datetime | None = None
+    output: JobOutput = Field(default_factory=JobOutput)
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    error: str | None = None
+    attempts: int = 0
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_JOB_STATUSES
+
+    def finished(
+        self,
+        status: JobStatus,
+        *,
+        text: str,
+        finish_reason: FinishReason | None,
+        completion_tokens: int,
+        error: str | None = None,
+    ) -> JobRecord:
+        """This job in a terminal status, with usage and timings filled in."""
+        now = utcnow()
+        prompt_tokens = self.usage.prompt_tokens
+        timings = Timings()
+        if self.started_at is not None:
+            timings.queue_ms = _ms(self.started_at - self.created_at)
+        if self.first_token_at is not None and self.started_at is not None:
+            timings.ttft_ms = _ms(self.first_token_at - self.started_at)
+            decode_s = (now - self.first_token_at).total_seconds()
+            if completion_tokens > 1 and decode_s > 0:
+                timings.tokens_per_s = round((completion_tokens - 1) / decode_s, 2)
+        return self.model_copy(
+            update={
+                "status": status,
+                "finished_at": now,
+                "output": JobOutput(text=text, finish_reason=finish_reason),
+                "usage": Usage(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                ),
+                "timings": timings,
+                "error": error,
+            }
+        )
+
+
+def _ms(delta: Any) -> float:
+    return round(delta.total_seconds() * 1000, 2)
+
+
+# --- The job's event stream (Redis stream per job, read by SSE and by the waiting task) ---
+
+
+class TokenEvent(BaseModel):
+    event: Literal["token"] = "token"
+    index: int
+    text: str
+
+
+class DoneEvent(BaseModel):
+    """The last event of a stream; `event` is `error` when the job failed."""
+
+    event: Literal["done", "error"]
+    job: JobRecord
+
+
+JobEvent = Annotated[TokenEvent | DoneEvent, Field(discriminator="event")]
+
+
+# --- Commands to a runner (its Redis inbox) ---
+
+
+class SubmitJob(BaseModel):
+    kind: Literal["submit"] = "submit"
+    job_id: str
+    deadline: float = Field(description="Unix time after which the runner drops the job.")
+
+
+class CancelJob(BaseModel):
+    kind: Literal["cancel"] = "cancel"
+    job_id: str
+    reason: Literal["cancelled", "time_limit"] = "cancelled"
+
+
+class StopRunner(BaseModel):
+    kind: Literal["stop"] = "stop"
+    mode: Literal["warm", "hard"] = "warm"
+    timeout_s: float = Field(30.0, ge=0)
+
+
+RunnerCommand = Annotated[SubmitJob | CancelJob | StopRunner, Field(discriminator="kind")]
+
+
+class StatusChange(BaseModel):
+    status: RunnerStatus
+    at: datetime
+    error: str | None = None
+
+
+class RunnerState(BaseModel):
+    """A runner as published to Redis and shown by GET /v1/runners."""
+
+    id: str
+    host: str
+    model: str
+    status: RunnerStatus
+    pid: int | None = None
+    active_jobs: int = 0
+    largest_batch: int = 0
+    model_loads: int = 0
+    restarts: int = 0
+    error: str | None = None
+    started_at: datetime | None = None
+    updated_at: datetime = Field(default_factory=utcnow)
