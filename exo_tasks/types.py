@@ -236,5 +236,21 @@ class RunnerState(BaseModel):
     model_loads: int = 0
     restarts: int = 0
     error: str | None = None
+    next_restart_at: datetime | None = Field(
+        None, description="Set while a failed runner waits to be restarted."
+    )
     started_at: datetime | None = None
     updated_at: datetime = Field(default_factory=utcnow)
+
+
+def runner_id_for(model: str, host: str) -> str:
+    """A runner is named by what it serves and where: one per (model, host)."""
+    return f"{model}@{host}"
+
+
+def model_queue(model: str) -> str:
+    return f"exo.model.{model}"
+
+
+def host_queue(host: str) -> str:
+    return f"exo.host.{host}"

@@ -1,10 +1,17 @@
-"""Shared fixtures: a real tiny model on disk (more fixtures join as the suite grows)."""
+"""Shared fixtures: a real tiny model, a real redis-server, real workers and the real API."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from config.settings import Settings
+from exo_tasks.store import Store
+from tests.stack import Api, Processes, RedisServer, Worker, start_redis, start_worker, \
+    wait_runner_ready
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +19,54 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from exo_tasks.modelgen import create_model
 
     return create_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def session_processes() -> Iterator[Processes]:
+    processes = Processes()
+    yield processes
+    processes.stop_all()
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    """Processes a single test starts (and may kill); all stopped by PID at its teardown."""
+    processes = Processes()
+    yield processes
+    processes.stop_all()
+
+
+@pytest.fixture(scope="session")
+def redis_server(session_processes: Processes,
+                 tmp_path_factory: pytest.TempPathFactory) -> RedisServer:
+    return start_redis(session_processes, tmp_path_factory.mktemp("redis"))
+
+
+@pytest.fixture(scope="session")
+def store(redis_server: RedisServer) -> Store:
+    return Store.from_url(redis_server.url)
+
+
+def api_settings(redis_url: str, models: list[Path], **overrides: object) -> Settings:
+    return Settings(redis_url=redis_url, models=",".join(str(m) for m in models),
+                    hostname="api-host", _env_file=None, **overrides)  # type: ignore[call-arg]
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    store: Store
+    worker: Worker
+    api: Api
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server: RedisServer, store: Store, tiny_model: Path,
+          session_processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One host serving the tiny model, shared by the tests that do not break anything."""
+    data_dir = tmp_path_factory.mktemp("stack")
+    worker = start_worker(session_processes, redis_server.url, "host-a", [tiny_model], data_dir)
+    wait_runner_ready(store, worker)
+    api = Api(api_settings(redis_server.url, [tiny_model]))
+    yield Stack(redis=redis_server, store=store, worker=worker, api=api)
+    api.close()

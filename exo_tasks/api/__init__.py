@@ -1,0 +1,25 @@
+"""The HTTP API: a Flask app factory with one blueprint per resource.
+
+The API only talks to Redis (job records, streams, runner states) and sends Celery messages;
+it never imports MLX.
+"""
+
+from __future__ import annotations
+
+from flask import Flask
+
+from config.settings import Settings
+from exo_tasks.api import errors, health, jobs, runners
+from exo_tasks.api.context import ApiContext
+from exo_tasks.celery_app import ExoCelery
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    settings = settings or Settings()
+    app = Flask("exo_tasks")
+    app.config["MAX_CONTENT_LENGTH"] = 1 << 20
+    app.extensions["exo"] = ApiContext(settings=settings, celery=ExoCelery(settings))
+    errors.init_app(app)
+    for blueprint in (health.bp, jobs.bp, runners.bp):
+        app.register_blueprint(blueprint)
+    return app

@@ -1,0 +1,49 @@
+"""The Celery configuration, built from Settings (see PITFALLS.md for why each line is here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from config.settings import Settings
+
+# Redis priorities: 0 is served first. Steps keep one list per level; "normal" is not 0 so that
+# an unprioritised message never overtakes a "high" one.
+PRIORITY_LEVELS = {"high": 0, "normal": 5, "low": 9}
+PRIORITY_STEPS = sorted(PRIORITY_LEVELS.values())
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    redis_url = settings.effective_redis_url
+    transport_options = {
+        # Never below the hard limit, or a long acks_late job is delivered twice (celery#5935).
+        "visibility_timeout": max(
+            settings.broker_visibility_timeout_s, settings.job_hard_time_limit_s + 60
+        ),
+        "priority_steps": PRIORITY_STEPS,
+        "queue_order_strategy": "priority",
+    }
+    return {
+        "broker_url": redis_url,
+        "result_backend": redis_url,
+        "broker_transport_options": transport_options,
+        "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "result_expires": settings.result_expires_s,
+        # Long jobs: acknowledge after the task ran, take one message at a time.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_default_priority": PRIORITY_LEVELS["normal"],
+        "task_inherit_parent_priority": True,
+        "task_track_started": True,
+        # Flower builds its views from events.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "worker_concurrency": settings.worker_concurrency,
+        "worker_pool": "prefork",
+    }

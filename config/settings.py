@@ -1,0 +1,73 @@
+"""All configuration, from the environment (prefix EXO_) and `.env`."""
+
+from __future__ import annotations
+
+import re
+import socket
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TINY_MODEL_DIRNAME = "models/tiny"
+
+
+def model_slug(model: str) -> str:
+    """A queue- and URL-safe name for a model path or hub id ('mlx-community/Qwen3' → 'qwen3')."""
+    name = Path(model.rstrip("/")).name or model
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EXO_", env_file=".env", extra="ignore")
+
+    # Where things run.
+    redis_url: str | None = Field(None, description="Unset: the stack runs its own redis-server.")
+    redis_port: int = 6379
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    api_workers: int = 2
+    flower_port: int = 5555
+    flower_basic_auth: SecretStr | None = Field(None, description="user:password for Flower.")
+    api_token: SecretStr | None = None
+    data_dir: Path = Path("var")
+    hostname: str = Field(default_factory=socket.gethostname)
+    models: str = Field("", description="Comma-separated model paths or hub ids; '' = tiny.")
+
+    # The worker.
+    worker_concurrency: int = 8
+    job_soft_time_limit_s: float = 600.0
+    job_hard_grace_s: float = 30.0
+    runner_shutdown_grace_s: float = 30.0
+    runner_start_timeout_s: float = 300.0
+    runner_max_restarts: int = 5
+    prefill_timeout_s: float = 60.0
+    decode_timeout_s: float = 5.0
+    completion_batch_size: int = 32
+    prefill_batch_size: int = 8
+
+    # Jobs and the broker.
+    max_tokens: int = 4096
+    max_queued_jobs: int = 1000
+    broker_visibility_timeout_s: float = 3600.0
+    result_expires_s: int = 24 * 3600
+    log_level: str = "INFO"
+
+    @property
+    def effective_redis_url(self) -> str:
+        return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def tiny_model_dir(self) -> Path:
+        return self.data_dir / TINY_MODEL_DIRNAME
+
+    @cached_property
+    def served_models(self) -> list[str]:
+        """The models this host serves, in order; the first is the default for jobs."""
+        listed = [m.strip() for m in self.models.split(",") if m.strip()]
+        return listed or [str(self.tiny_model_dir.resolve())]
+
+    @property
+    def job_hard_time_limit_s(self) -> float:
+        return self.job_soft_time_limit_s + self.job_hard_grace_s

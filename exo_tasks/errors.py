@@ -1,0 +1,54 @@
+"""The project's exceptions. Each carries the HTTP status and error type it maps to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ExoError(Exception):
+    """Base class: the API turns any ExoError into its JSON error shape and status."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidRequest(ExoError):
+    status = 422
+    type = "invalid_request"
+
+
+class NotFound(ExoError):
+    status = 404
+    type = "not_found"
+
+
+class Conflict(ExoError):
+    status = 409
+    type = "conflict"
+
+
+class QueueFull(ExoError):
+    status = 429
+    type = "queue_full"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, {"retry_after_s": retry_after_s})
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(ExoError):
+    """Redis or every runner for a model is down."""
+
+    status = 503
+    type = "unavailable"
+
+
+class RunnerGone(ExoError):
+    """The runner a job was handed to died or stopped before finishing it."""
+
+    type = "runner_gone"

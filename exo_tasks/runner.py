@@ -1,0 +1,333 @@
+"""The runner process: the single owner of one loaded model on one host.
+
+It loads the model once, warms it up, then serves every job handed to it through one
+continuous-batching loop, publishing tokens and job results to Redis. Commands arrive on its
+Redis inbox (read by a thread into a local queue, so the loop never waits on the network).
+It exits when its parent (the worker's main process) dies.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from exo_tasks.logs import configure_logging
+from exo_tasks.store import Store
+from exo_tasks.types import (
+    CancelJob,
+    FinishReason,
+    JobRecord,
+    JobStatus,
+    RunnerCommand,
+    RunnerState,
+    RunnerStatus,
+    StopRunner,
+    SubmitJob,
+    TokenEvent,
+    utcnow,
+)
+
+log = logging.getLogger("exo_tasks.runner")
+INBOX_POLL_S = 1.0
+IDLE_WAIT_S = 0.5
+
+
+class RunnerSpec(BaseModel):
+    """Everything a runner process needs, handed over by the supervisor at spawn."""
+
+    runner_id: str
+    host: str
+    model: str
+    model_path: str
+    redis_url: str
+    result_ttl_s: int
+    completion_batch_size: int = 32
+    prefill_batch_size: int = 8
+    log_level: str = "INFO"
+
+
+@dataclass
+class ActiveJob:
+    record: JobRecord
+    deadline: float
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+
+
+def main(spec_json: str) -> None:
+    """Entry point of the spawned runner process."""
+    spec = RunnerSpec.model_validate_json(spec_json)
+    # Our own process group: a signal sent to the worker's group (honcho, a terminal's Ctrl-C)
+    # must not reach the runner; the supervisor decides when it stops.
+    os.setpgid(0, 0)
+    configure_logging(spec.log_level, runner=spec.runner_id, host=spec.host)
+    _exit_with_parent()
+    runner = Runner(spec)
+    signal.signal(signal.SIGTERM, lambda *_: runner.on_sigterm())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(runner.run())
+
+
+def _exit_with_parent() -> None:
+    """Leave at once if the worker dies (SIGKILL included), so no model stays resident."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        log.error("worker process %s is gone; runner exits", parent.pid)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class Runner:
+    def __init__(self, spec: RunnerSpec) -> None:
+        self.spec = spec
+        self.store = Store.from_url(spec.redis_url, result_ttl_s=spec.result_ttl_s)
+        self.state = RunnerState(
+            id=spec.runner_id, host=spec.host, model=spec.model,
+            status=RunnerStatus.WAITING_FOR_MODEL, pid=os.getpid(), started_at=utcnow(),
+        )
+        self.commands: queue.Queue[RunnerCommand] = queue.Queue()
+        self.active: dict[str, ActiveJob] = {}
+        self.stop_request: StopRunner | None = None
+        self.stop_deadline = 0.0
+        self.serving = False
+        self.terminate_requested = False
+
+    # --- status ---
+
+    def publish(self, status: RunnerStatus | None = None, error: str | None = None) -> None:
+        changed = status is not None and status != self.state.status
+        update: dict[str, Any] = {"updated_at": utcnow(), "active_jobs": len(self.active)}
+        if status is not None:
+            update.update(status=status, error=error)
+        if hasattr(self, "engine"):
+            update["largest_batch"] = self.engine.largest_batch
+        self.state = self.state.model_copy(update=update)
+        self.store.publish_runner(self.state, status_changed=changed)
+        if changed:
+            log.info("runner status %s", self.state.status, extra={"runner_status": status})
+
+    # --- lifecycle ---
+
+    def run(self) -> int:
+        self.publish(RunnerStatus.LOADING)
+        try:
+            self.load()
+        except Exception as exc:
+            log.exception("model failed to load")
+            self.publish(RunnerStatus.FAILED, error=f"model failed to load: {exc}")
+            return 1
+        threading.Thread(target=self._read_inbox, name="inbox", daemon=True).start()
+        self.serving = True
+        self.publish(RunnerStatus.READY)
+        try:
+            self.serve()
+        except Exception as exc:
+            log.exception("batching loop crashed")
+            self._end_all("failed", None, f"runner {self.spec.runner_id} crashed: {exc}")
+            self.publish(RunnerStatus.FAILED, error=f"runner crashed: {exc}")
+            return 1
+        self.unload()
+        self.publish(RunnerStatus.SHUTDOWN)
+        log.info("runner stopped cleanly")
+        return 0
+
+    def load(self) -> None:
+        import mlx_lm
+
+        from exo_tasks.engine import BatchEngine
+
+        model, tokenizer = mlx_lm.load(self.spec.model_path)
+        self.state = self.state.model_copy(update={"model_loads": self.state.model_loads + 1})
+        self.publish(RunnerStatus.LOADED)
+        self.engine = BatchEngine(
+            model, tokenizer,
+            completion_batch_size=self.spec.completion_batch_size,
+            prefill_batch_size=self.spec.prefill_batch_size,
+        )
+        self.publish(RunnerStatus.WARMING_UP)
+        self.engine.warmup()
+
+    def unload(self) -> None:
+        """Free the model: drop every reference, then let MLX release its buffers."""
+        import mlx.core as mx
+
+        self.engine.close()
+        del self.engine
+        gc.collect()
+        mx.clear_cache()
+
+    def on_sigterm(self) -> None:
+        """The supervisor's second escalation step: stop now (only a flag: this is a handler)."""
+        if not self.serving:
+            raise SystemExit(143)
+        self.terminate_requested = True
+
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                command = self.store.next_runner_command(self.spec.runner_id, INBOX_POLL_S)
+            except Exception:
+                log.exception("reading the inbox failed; retrying")
+                time.sleep(INBOX_POLL_S)
+                continue
+            if command is not None:
+                self.commands.put(command)
+
+    # --- the batching loop ---
+
+    def serve(self) -> None:
+        while True:
+            self._take_commands(block=not self.active)
+            if self.terminate_requested:
+                self._begin_stop(StopRunner(mode="hard"))
+            self._drop_expired()
+            if self.stop_request is not None and self._stop_finished():
+                return
+            if self.active:
+                self._step()
+
+    def _take_commands(self, *, block: bool) -> None:
+        try:
+            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: RunnerCommand) -> None:
+        if isinstance(command, SubmitJob):
+            self._admit(command)
+        elif isinstance(command, CancelJob):
+            status: JobStatus = "timed_out" if command.reason == "time_limit" else "cancelled"
+            self._end(command.job_id, status, command.reason)
+        else:
+            self._begin_stop(command)
+
+    def _admit(self, command: SubmitJob) -> None:
+        job = self.store.get_job(command.job_id)
+        if job is None or job.is_terminal:
+            self.store.release_job(self.spec.runner_id, command.job_id)
+            return
+        if self.stop_request is not None:
+            self.store.release_job(self.spec.runner_id, job.id)
+            self.store.fail_job(job.id, f"runner {self.spec.runner_id} is shutting down")
+            return
+        try:
+            prompt_tokens = self.engine.encode(job.request.prompt, job.request.messages)
+        except Exception as exc:
+            self.store.release_job(self.spec.runner_id, job.id)
+            self.store.fail_job(job.id, f"could not encode the prompt: {exc}")
+            return
+        started = job.model_copy(update={
+            "status": "running", "started_at": utcnow(), "host": self.spec.host,
+            "runner_id": self.spec.runner_id, "usage": job.usage.model_copy(
+                update={"prompt_tokens": len(prompt_tokens)}),
+        })
+        if not self.store.transition(started, allowed_from=("queued",)):
+            self.store.release_job(self.spec.runner_id, job.id)  # cancelled meanwhile
+            return
+        try:
+            self.engine.add(job.id, prompt_tokens, job.request)
+        except ValueError as exc:
+            self.store.release_job(self.spec.runner_id, job.id)
+            self.store.fail_job(job.id, str(exc))
+            return
+        self.active[job.id] = ActiveJob(started, command.deadline)
+        log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt_tokens)})
+        self.publish(RunnerStatus.RUNNING)
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        tokens: list[tuple[str, TokenEvent]] = []
+        finished: list[tuple[str, FinishReason]] = []
+        now = utcnow()
+        for delta in deltas:
+            job = self.active.get(delta.job_id)
+            if job is None:
+                continue
+            if job.record.first_token_at is None:
+                job.record.first_token_at = now
+            job.completion_tokens = delta.completion_tokens
+            if delta.text:
+                job.text.append(delta.text)
+                tokens.append((delta.job_id, TokenEvent(index=len(job.text) - 1, text=delta.text)))
+            if delta.finish_reason is not None:
+                finished.append((delta.job_id, delta.finish_reason))
+        if tokens:
+            self.store.append_tokens(tokens)
+        for job_id, reason in finished:
+            self._end(job_id, "succeeded", reason, in_engine=False)
+
+    def _end(
+        self, job_id: str, status: JobStatus, reason: FinishReason | None,
+        error: str | None = None, *, in_engine: bool = True,
+    ) -> None:
+        """Take a job out of the batch and record how it ended (first writer wins)."""
+        job = self.active.pop(job_id, None)
+        if job is None:
+            return
+        if in_engine:
+            self.engine.remove(job_id)
+        final = job.record.finished(
+            status, text="".join(job.text), finish_reason=reason,
+            completion_tokens=job.completion_tokens, error=error,
+        )
+        self.store.finish_job(final)
+        self.store.release_job(self.spec.runner_id, job_id)
+        log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
+        if not self.active and self.stop_request is None:
+            self.publish(RunnerStatus.READY)
+
+    def _end_all(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> None:
+        for job_id in list(self.active):
+            self._end(job_id, status, reason, error)
+
+    def _drop_expired(self) -> None:
+        # The task's hard time limit kills its pool child before it can tell us: check ourselves.
+        now = time.time()
+        for job_id, job in list(self.active.items()):
+            if now > job.deadline:
+                self._end(job_id, "failed", "time_limit", "hard time limit exceeded")
+
+    # --- stopping ---
+
+    def _begin_stop(self, command: StopRunner) -> None:
+        if self.stop_request is not None and command.mode != "hard":
+            return
+        log.info("stop requested", extra={"mode": command.mode, "timeout_s": command.timeout_s})
+        self.stop_request = command
+        self.stop_deadline = time.monotonic() + (0 if command.mode == "hard" else command.timeout_s)
+        self.publish(RunnerStatus.SHUTTING_DOWN)
+
+    def _stop_finished(self) -> bool:
+        """Warm: wait for in-flight jobs until the deadline; then end the rest as `shutdown`."""
+        if self.active and time.monotonic() < self.stop_deadline:
+            return False
+        self._end_all("failed", "shutdown", f"runner {self.spec.runner_id} shut down before "
+                      "the job finished")
+        return True
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,237 @@
+"""Redis: job records, each job's event stream, runner states and runner inboxes.
+
+Every write that changes a job's status goes through one Lua script that checks the current
+status first, so whoever finishes a job first (runner, task, supervisor, cancel) wins and the
+others are no-ops: a job never ends twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from pydantic import TypeAdapter
+
+from exo_tasks.types import (
+    TERMINAL_JOB_STATUSES,
+    DoneEvent,
+    JobEvent,
+    JobRecord,
+    JobStatus,
+    RunnerCommand,
+    RunnerState,
+    StatusChange,
+    TokenEvent,
+)
+
+PREFIX = "exo"
+RECENT_JOBS_KEPT = 10_000
+RUNNER_HISTORY_KEPT = 50
+ACTIVE_STATUSES: tuple[JobStatus, ...] = ("queued", "running")
+
+_event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
+_command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
+
+# KEYS: job hash, event stream. ARGV: new status, record, event name ('' for none), event
+# data, ttl seconds (0: keep), then the statuses the job may move from.
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return 0 end
+local allowed = false
+for i = 6, #ARGV do
+  if current == ARGV[i] then allowed = true end
+end
+if not allowed then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('XADD', KEYS[2], '*', 'event', ARGV[3], 'data', ARGV[4])
+end
+local ttl = tonumber(ARGV[5])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+return 1
+"""
+
+
+def connect(url: str) -> redis.Redis:
+    # Short connect timeout: with Redis down, callers fail fast instead of hanging.
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_connect_timeout=1.0,
+        socket_timeout=10.0,
+        health_check_interval=30,
+    )
+
+
+def job_key(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}"
+
+
+def events_key(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:events"
+
+
+def runner_key(runner_id: str) -> str:
+    return f"{PREFIX}:runner:{runner_id}"
+
+
+class Store:
+    """Typed access to everything exo_tasks keeps in Redis."""
+
+    def __init__(self, client: redis.Redis, *, result_ttl_s: int = 24 * 3600) -> None:
+        self.redis = client
+        self.result_ttl_s = result_ttl_s
+        self._transition = client.register_script(_TRANSITION)
+
+    @classmethod
+    def from_url(cls, url: str, *, result_ttl_s: int = 24 * 3600) -> Store:
+        return cls(connect(url), result_ttl_s=result_ttl_s)
+
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    # --- jobs ---
+
+    def create_job(self, job: JobRecord) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(job_key(job.id), mapping={"status": job.status, "record": job.model_dump_json()})
+        pipe.zadd(f"{PREFIX}:jobs", {job.id: job.created_at.timestamp()})
+        pipe.zremrangebyrank(f"{PREFIX}:jobs", 0, -RECENT_JOBS_KEPT - 1)
+        pipe.execute()
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        raw = self.redis.hget(job_key(job_id), "record")
+        return JobRecord.model_validate_json(raw) if raw else None
+
+    def list_jobs(self, status: str | None = None, limit: int = 50) -> list[JobRecord]:
+        jobs: list[JobRecord] = []
+        start = 0
+        while len(jobs) < limit:
+            ids = self.redis.zrevrange(f"{PREFIX}:jobs", start, start + limit * 2 - 1)
+            if not ids:
+                break
+            start += len(ids)
+            raws = self._pipeline_get(ids)
+            for raw in raws:
+                if raw is None:
+                    continue
+                job = JobRecord.model_validate_json(raw)
+                if status is None or job.status == status:
+                    jobs.append(job)
+        return jobs[:limit]
+
+    def _pipeline_get(self, ids: Iterable[str]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(job_key(job_id), "record")
+        return pipe.execute()
+
+    def transition(self, job: JobRecord, *, allowed_from: Iterable[str]) -> bool:
+        """Write `job` if its stored status is one of `allowed_from`; a terminal status also
+        appends the stream's last event and starts the record's expiry. True if written."""
+        event_name, event_data, ttl = "", "", 0
+        if job.is_terminal:
+            event = DoneEvent(event="error" if job.status == "failed" else "done", job=job)
+            event_name, event_data, ttl = event.event, event.model_dump_json(), self.result_ttl_s
+        args = [job.status, job.model_dump_json(), event_name, event_data, ttl, *allowed_from]
+        return bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
+
+    def finish_job(self, job: JobRecord) -> bool:
+        """Move an active job to its terminal status (first writer wins)."""
+        assert job.is_terminal, job.status
+        return self.transition(job, allowed_from=ACTIVE_STATUSES)
+
+    def fail_job(self, job_id: str, error: str) -> bool:
+        job = self.get_job(job_id)
+        if job is None or job.is_terminal:
+            return False
+        text, tokens = self.streamed_text(job_id)
+        return self.finish_job(
+            job.finished("failed", text=text, finish_reason=None, completion_tokens=tokens,
+                         error=error)
+        )
+
+    # --- a job's event stream ---
+
+    def append_tokens(self, tokens: Iterable[tuple[str, TokenEvent]]) -> None:
+        """Append one step's tokens for many jobs in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, token in tokens:
+            pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
+        pipe.execute()
+
+    def read_events(
+        self, job_id: str, after: str = "0-0", block_ms: int | None = None
+    ) -> list[tuple[str, JobEvent]]:
+        """Events after stream id `after`, waiting up to `block_ms` for the first one."""
+        reply = self.redis.xread({events_key(job_id): after}, block=block_ms)
+        if not reply:
+            return []
+        _key, entries = reply[0]
+        return [
+            (entry_id, _event_adapter.validate_json(fields["data"]))
+            for entry_id, fields in entries
+        ]
+
+    def streamed_text(self, job_id: str) -> tuple[str, int]:
+        """The text and token count streamed so far (a failed job keeps its partial text)."""
+        events = self.read_events(job_id)
+        tokens = [event.text for _, event in events if isinstance(event, TokenEvent)]
+        return "".join(tokens), len(tokens)
+
+    # --- runners ---
+
+    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(runner_key(state.id), state.model_dump_json())
+        pipe.sadd(f"{PREFIX}:runners", state.id)
+        if status_changed:
+            change = StatusChange(status=state.status, at=state.updated_at, error=state.error)
+            pipe.lpush(f"{runner_key(state.id)}:history", change.model_dump_json())
+            pipe.ltrim(f"{runner_key(state.id)}:history", 0, RUNNER_HISTORY_KEPT - 1)
+        pipe.execute()
+
+    def get_runner(self, runner_id: str) -> RunnerState | None:
+        raw = self.redis.get(runner_key(runner_id))
+        return RunnerState.model_validate_json(raw) if raw else None
+
+    def list_runners(self) -> list[RunnerState]:
+        ids = sorted(self.redis.smembers(f"{PREFIX}:runners"))
+        raws = self.redis.mget([runner_key(i) for i in ids]) if ids else []
+        return [RunnerState.model_validate_json(raw) for raw in raws if raw]
+
+    def runner_history(self, runner_id: str) -> list[StatusChange]:
+        raws = self.redis.lrange(f"{runner_key(runner_id)}:history", 0, -1)
+        return [StatusChange.model_validate_json(raw) for raw in reversed(raws)]
+
+    # --- a runner's inbox and the jobs handed to it ---
+
+    def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        if command.kind == "submit":
+            pipe.sadd(f"{runner_key(runner_id)}:jobs", command.job_id)
+        pipe.rpush(f"{runner_key(runner_id)}:inbox", command.model_dump_json())
+        pipe.execute()
+
+    def next_runner_command(self, runner_id: str, timeout_s: float) -> RunnerCommand | None:
+        reply = self.redis.blpop([f"{runner_key(runner_id)}:inbox"], timeout=timeout_s)
+        return _command_adapter.validate_json(reply[1]) if reply else None
+
+    def release_job(self, runner_id: str, job_id: str) -> None:
+        self.redis.srem(f"{runner_key(runner_id)}:jobs", job_id)
+
+    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
+        """Fail every job handed to a runner that is gone, and drop its unread inbox."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.smembers(f"{runner_key(runner_id)}:jobs")
+        pipe.delete(f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox")
+        job_ids, _ = pipe.execute()
+        return [job_id for job_id in sorted(job_ids) if self.fail_job(job_id, error)]
+
+
+def is_terminal(status: str) -> bool:
+    return status in TERMINAL_JOB_STATUSES

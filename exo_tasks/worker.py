@@ -1,0 +1,80 @@
+"""The worker: one `celery worker` per host, with the runner supervisor as a bootstep.
+
+`celery -A exo_tasks.worker worker` and `exo-tasks worker` both load `app` from here.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Any
+
+from celery import bootsteps
+from celery.signals import worker_process_init
+from celery.worker import components
+
+from config.settings import Settings, model_slug
+from exo_tasks.celery_app import ExoCelery
+from exo_tasks.logs import configure_logging
+from exo_tasks.supervisor import RunnerSupervisor
+from exo_tasks.types import host_queue, model_queue
+
+log = logging.getLogger("exo_tasks.worker")
+
+
+class RunnerSupervisorStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Starts the runners before the pool forks and stops them after the pool has drained."""
+
+    label = "runner supervisor"
+
+    def create(self, worker: Any) -> RunnerSupervisor:
+        app: ExoCelery = worker.app
+        return RunnerSupervisor(app.settings, app.store)
+
+
+# Bootstep order among siblings is not guaranteed; making the pool require the supervisor puts
+# the supervisor's start before the pool's and its stop (steps stop in reverse) after it.
+components.Pool.requires = (*components.Pool.requires, RunnerSupervisorStep)
+
+
+def create_worker_app(settings: Settings) -> ExoCelery:
+    app = ExoCelery(settings)
+    app.steps["worker"].add(RunnerSupervisorStep)
+    return app
+
+
+@worker_process_init.connect
+def _pool_child_init(**_: Any) -> None:
+    # Own process group: a signal to the worker's group (honcho, Ctrl-C) must not kill in-flight
+    # tasks; the worker's main process decides how they stop.
+    os.setpgid(0, 0)
+
+
+def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]:
+    """The `celery worker` arguments for this host: its node name and its queues."""
+    queues = [host_queue(settings.hostname)] + [
+        model_queue(model_slug(m)) for m in settings.served_models
+    ]
+    return [
+        "worker",
+        f"--hostname=exo@{settings.hostname}",
+        f"--queues={','.join(queues)}",
+        f"--concurrency={concurrency or settings.worker_concurrency}",
+        f"--loglevel={settings.log_level}",
+        "--pool=prefork",
+        "--without-mingle",
+        "--without-gossip",
+    ]
+
+
+def main(concurrency: int | None = None) -> None:
+    configure_logging(settings.log_level, host=settings.hostname, process="worker")
+    # Children are forked from here: keep what exists now out of the cycle collector's way so
+    # copy-on-write pages stay shared.
+    gc.freeze()
+    app.worker_main(worker_argv(settings, concurrency))
+
+
+settings = Settings()
+app = create_worker_app(settings)

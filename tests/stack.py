@@ -1,0 +1,200 @@
+"""Real processes for tests: redis-server, `exo-tasks worker`, and the API on a real port.
+
+Every process started here is remembered with its descendants and stopped by PID at teardown,
+even when the test failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+from werkzeug.serving import BaseWSGIServer, make_server
+
+from config.settings import Settings
+from exo_tasks.api import create_app
+from exo_tasks.redis_server import redis_server_argv, wait_for_redis
+from exo_tasks.store import Store
+from exo_tasks.types import RunnerState, runner_id_for
+
+EXO_TASKS = str(Path(sys.executable).parent / "exo-tasks")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float, what: str,
+               interval_s: float = 0.05) -> Any:
+    """Poll until `condition()` is truthy; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        parent = psutil.Process(pid)
+        procs = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+@dataclass
+class Processes:
+    """Every process a test started, for teardown by PID."""
+
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    extra_pids: set[int] = field(default_factory=set)
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        log = log_path.open("ab")
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started.append(proc)
+        return proc
+
+    def remember_descendants(self) -> None:
+        for proc in self.started:
+            try:
+                self.extra_pids.update(c.pid for c in psutil.Process(proc.pid).children(True))
+            except psutil.NoSuchProcess:
+                pass
+
+    def stop_all(self) -> None:
+        self.remember_descendants()
+        for proc in reversed(self.started):
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+        for pid in self.extra_pids:
+            kill_tree(pid)
+
+
+@dataclass
+class RedisServer:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+
+
+def start_redis(processes: Processes, data_dir: Path) -> RedisServer:
+    port = free_port()
+    argv = redis_server_argv(port, data_dir)
+    proc = processes.start(argv, dict(os.environ), data_dir / "redis.log")
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_for_redis(url, timeout_s=10)
+    return RedisServer(url=url, port=port, process=proc)
+
+
+@dataclass
+class Worker:
+    host: str
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def worker_env(redis_url: str, host: str, models: list[Path], data_dir: Path,
+               **overrides: Any) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "EXO_REDIS_URL": redis_url,
+        "EXO_HOSTNAME": host,
+        "EXO_MODELS": ",".join(str(m) for m in models),
+        "EXO_DATA_DIR": str(data_dir),
+        "EXO_WORKER_CONCURRENCY": "4",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update({f"EXO_{k.upper()}": str(v) for k, v in overrides.items()})
+    return env
+
+
+def start_worker(processes: Processes, redis_url: str, host: str, models: list[Path],
+                 data_dir: Path, **overrides: Any) -> Worker:
+    env = worker_env(redis_url, host, models, data_dir, **overrides)
+    log_path = data_dir / f"worker-{host}.log"
+    proc = processes.start([EXO_TASKS, "worker"], env, log_path)
+    return Worker(host=host, env=env, log_path=log_path, process=proc)
+
+
+def wait_runner_ready(store: Store, worker: Worker, model: str = "tiny",
+                      timeout_s: float = 90) -> RunnerState:
+    runner_id = runner_id_for(model, worker.host)
+
+    def ready() -> RunnerState | None:
+        if worker.process.poll() is not None:
+            raise AssertionError(f"worker exited ({worker.process.returncode}):\n"
+                                 f"{worker.log_text()[-4000:]}")
+        state = store.get_runner(runner_id)
+        return state if state is not None and state.status.accepts_jobs else None
+
+    state: RunnerState = wait_until(ready, timeout_s, f"runner {runner_id} Ready")
+    return state
+
+
+class Api:
+    """The real Flask app on a real port (werkzeug's threaded server), as clients see it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.app = create_app(settings)
+        self.server: BaseWSGIServer = make_server("127.0.0.1", 0, self.app, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.http = requests.Session()
+
+    def post(self, path: str, **kwargs: Any) -> requests.Response:
+        return self.http.post(self.url + path, timeout=30, **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> requests.Response:
+        return self.http.get(self.url + path, timeout=30, **kwargs)
+
+    def submit(self, **body: Any) -> str:
+        response = self.post("/v1/jobs", json=body)
+        assert response.status_code == 202, response.text
+        job_id: str = response.json()["id"]
+        return job_id
+
+    def wait_job(self, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            job: dict[str, Any] = self.get(f"/v1/jobs/{job_id}").json()
+            return job if job["status"] not in ("queued", "running") else None
+
+        result: dict[str, Any] = wait_until(done, timeout_s, f"job {job_id} to finish")
+        return result
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.http.close()

@@ -1,0 +1,222 @@
+"""BatchEngine on the real tiny model: batched output must equal each job generated alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm import load, stream_generate
+
+from exo_tasks.engine import BatchEngine, TokenDelta
+from exo_tasks.types import ChatMessage, SamplingParams
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox",
+    "a",
+    "Once upon a time",
+    "1 2 3",
+    "xyz",
+    "Lorem ipsum dolor sit amet",
+    "?",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model: Path) -> tuple[Any, Any]:
+    loaded = load(str(tiny_model))  # (model, tokenizer); typed as maybe a 3-tuple
+    return loaded[0], loaded[1]
+
+
+@pytest.fixture
+def engine(loaded: tuple[Any, Any]) -> Iterator[BatchEngine]:
+    engine = BatchEngine(*loaded)
+    yield engine
+    engine.close()
+
+
+def alone(loaded: tuple[Any, Any], prompt: str, max_tokens: int) -> tuple[str, int]:
+    """Text and token count (EOS included) of mlx-lm's own single-request generation."""
+    model, tokenizer = loaded
+    responses = list(stream_generate(model, tokenizer, tokenizer.encode(prompt), max_tokens))
+    return "".join(r.text for r in responses), responses[-1].generation_tokens
+
+
+class Run:
+    """Drives an engine and collects every job's deltas."""
+
+    def __init__(self, engine: BatchEngine) -> None:
+        self.engine = engine
+        self.deltas: dict[str, list[TokenDelta]] = {}
+
+    def add(self, job_id: str, prompt: str, **params: Any) -> None:
+        tokens = self.engine.encode(prompt, None)
+        self.engine.add(job_id, tokens, SamplingParams.model_validate(params))
+        self.deltas[job_id] = []
+
+    def step(self) -> list[TokenDelta]:
+        deltas = self.engine.step()
+        for d in deltas:
+            assert not self.deltas[d.job_id] or self.deltas[d.job_id][-1].finish_reason is None
+            self.deltas[d.job_id].append(d)
+        return deltas
+
+    def until_done(self) -> None:
+        while self.engine.active_jobs:
+            self.step()
+
+    def text(self, job_id: str) -> str:
+        return "".join(d.text for d in self.deltas[job_id])
+
+    def last(self, job_id: str) -> TokenDelta:
+        return self.deltas[job_id][-1]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["together", "late_joiners"])
+def test_batched_greedy_jobs_match_generation_alone(
+    loaded: tuple[Any, Any], engine: BatchEngine, late: bool
+) -> None:
+    run = Run(engine)
+    lengths = {str(i): 30 + 3 * i for i in range(len(PROMPTS))}  # staggered finishes
+    first, rest = (PROMPTS[:4], PROMPTS[4:]) if late else (PROMPTS, [])
+    for i, prompt in enumerate(first):
+        run.add(str(i), prompt, max_tokens=lengths[str(i)])
+    if late:
+        # Let the first jobs get well into decoding before the others arrive.
+        while sum(len(run.deltas[str(i)]) for i in range(4)) < 4 * 5:
+            run.step()
+        for i, prompt in enumerate(rest, start=4):
+            run.add(str(i), prompt, max_tokens=lengths[str(i)])
+    run.until_done()
+
+    assert engine.largest_batch == 8
+    for i, prompt in enumerate(PROMPTS):
+        text, tokens = alone(loaded, prompt, lengths[str(i)])
+        assert run.text(str(i)) == text
+        assert run.last(str(i)).completion_tokens == tokens
+        assert run.last(str(i)).finish_reason == "length"
+
+
+def test_eos_stops_a_job_unless_ignore_eos(engine: BatchEngine) -> None:
+    # This tiny model samples EOS at token 24 for seed 7; greedy text never reaches it.
+    run = Run(engine)
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 40}
+    run.add("eos", "Hello", **sampled)
+    run.add("ignore", "Hello", **sampled, ignore_eos=True)
+    run.until_done()
+
+    assert run.last("eos").finish_reason == "stop"
+    assert run.last("eos").completion_tokens == 24
+    assert len(run.text("eos")) == 23  # one character per token, and the EOS is not text
+    assert run.last("ignore").finish_reason == "length"
+    assert run.last("ignore").completion_tokens == 40
+    assert len(run.deltas["ignore"]) == 40
+    assert run.text("ignore").startswith(run.text("eos"))
+
+
+def test_stop_string_cuts_output_and_is_never_streamed(
+    loaded: tuple[Any, Any], engine: BatchEngine
+) -> None:
+    full, _ = alone(loaded, "Hello", 60)
+    stop = full[20:24]
+    expected = full[: full.index(stop)]
+    # A stop string whose first characters end the output: held back, then flushed at the end.
+    tail = full[-3:] + "~~~"
+    assert tail not in full
+
+    run = Run(engine)
+    run.add("cut", "Hello", max_tokens=60, stop=["never-there", stop])
+    run.add("flush", "Hello", max_tokens=60, stop=[tail])
+    run.add("other", "a", max_tokens=60)
+    run.until_done()
+
+    assert run.text("cut") == expected
+    assert run.last("cut").finish_reason == "stop"
+    assert all(stop not in d.text for d in run.deltas["cut"])
+    assert run.text("flush") == full
+    assert run.last("flush").finish_reason == "length"
+    assert run.text("other") == alone(loaded, "a", 60)[0]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine: BatchEngine) -> None:
+    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 20}
+    solo = Run(engine)
+    solo.add("seeded", "Once upon a time", **seeded)
+    solo.add("seed8", "Once upon a time", **{**seeded, "seed": 8})
+    solo.until_done()
+    assert solo.text("seeded") != solo.text("seed8")
+
+    batch = Run(engine)
+    batch.add("greedy", "Hello", max_tokens=30)
+    batch.add("hot", "xyz", max_tokens=30, temperature=0.7)
+    batch.add("nucleus", "xyz", max_tokens=30, temperature=0.9, top_p=0.8, seed=3)
+    for _ in range(4):
+        batch.step()
+    batch.add("seeded", "Once upon a time", **seeded)  # joins mid-generation
+    batch.add("hot2", "a", max_tokens=30, temperature=0.7)
+    batch.until_done()
+    assert batch.text("seeded") == solo.text("seeded")
+
+
+def test_remove_cancels_one_job_and_leaves_the_others(
+    loaded: tuple[Any, Any], engine: BatchEngine
+) -> None:
+    run = Run(engine)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        run.add(str(i), prompt, max_tokens=40)
+    run.add("queued", "never started", max_tokens=40)
+    engine.remove("queued")  # cancelled before its prefill
+    while not run.deltas["0"]:
+        run.step()
+    for _ in range(5):
+        run.step()
+    engine.remove("1")  # cancelled mid-decode
+    engine.remove("1")  # a second cancel (a race with finishing) is harmless
+    assert engine.active_jobs == 3
+    tokens_at_removal = len(run.deltas["1"])
+    run.until_done()
+
+    assert not run.deltas["queued"]
+    assert len(run.deltas["1"]) == tokens_at_removal
+    for i in (0, 2, 3):
+        assert run.text(str(i)) == alone(loaded, PROMPTS[i], 40)[0]
+
+
+def test_invalid_jobs_are_refused_and_the_engine_keeps_working(
+    loaded: tuple[Any, Any], engine: BatchEngine
+) -> None:
+    run = Run(engine)
+    run.add("ok", "Hello", max_tokens=30)
+    run.step()
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add("empty", [], SamplingParams.model_validate({}))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add("zero", [5], SamplingParams.model_construct(max_tokens=0))
+    with pytest.raises(ValueError, match="already"):
+        engine.add("ok", [5], SamplingParams.model_validate({}))
+    run.add("after", "a", max_tokens=30)
+    run.until_done()
+
+    assert engine.active_jobs == 0
+    assert run.text("ok") == alone(loaded, "Hello", 30)[0]
+    assert run.text("after") == alone(loaded, "a", 30)[0]
+
+
+def test_encode_and_warmup(loaded: tuple[Any, Any], engine: BatchEngine) -> None:
+    _, tokenizer = loaded
+    messages = [ChatMessage(role="user", content="Hi there")]
+    chat = [{"role": "user", "content": "Hi there"}]
+    expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert engine.encode(None, messages) == list(expected)
+    assert engine.encode("Hi", None) == tokenizer.encode("Hi")
+    with pytest.raises(ValueError):
+        engine.encode("Hi", messages)
+
+    engine.warmup()
+    assert engine.active_jobs == 0
+    run = Run(engine)
+    run.add("first", "Hello", max_tokens=10)
+    run.until_done()
+    assert run.text("first") == alone(loaded, "Hello", 10)[0]
