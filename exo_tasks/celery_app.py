@@ -15,7 +15,7 @@ SHUTDOWN_RUNNER_TASK = "exo.shutdown_runner"
 LOAD_RUNNER_TASK = "exo.load_runner"
 
 
-class ExoCelery(Celery):  # type: ignore[misc]
+class ExoCelery(Celery):
     """A Celery app that knows the project's settings and its Redis store."""
 
     def __init__(self, settings: Settings) -> None:

@@ -26,15 +26,27 @@ def cmd_up(settings: Settings, _: argparse.Namespace) -> None:
 
     if not settings.models:
         ensure_model("tiny", settings.tiny_model_dir)
-    processes = ["api", "worker", "flower"] if settings.redis_url else ["redis", "api", "worker",
-                                                                         "flower"]
+    processes = (
+        ["api", "worker", "flower"] if settings.redis_url else ["redis", "api", "worker", "flower"]
+    )
     print(f"exo_tasks API   http://{settings.api_host}:{settings.api_port}  (try /v1/runners)")
     print(f"Flower          http://127.0.0.1:{settings.flower_port}")
     print("Ctrl-C stops everything (an in-flight job gets about 3 s: honcho kills after 5 s).")
     # The Procfile's commands are this same `exo-tasks`: make sure they resolve to this install.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    _exec([sys.executable, "-m", "honcho", "-f", str(PROCFILE), "-d", os.getcwd(), "start",
-           *processes])
+    _exec(
+        [
+            sys.executable,
+            "-m",
+            "honcho",
+            "-f",
+            str(PROCFILE),
+            "-d",
+            os.getcwd(),
+            "start",
+            *processes,
+        ]
+    )
 
 
 def cmd_redis(settings: Settings, _: argparse.Namespace) -> None:
@@ -47,11 +59,24 @@ def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
     from exo_tasks.redis_server import wait_for_redis
 
     wait_for_redis(settings.effective_redis_url)
-    _exec([
-        sys.executable, "-m", "gunicorn", "--bind", f"{settings.api_host}:{settings.api_port}",
-        "--workers", str(settings.api_workers), "--worker-class", "gthread", "--threads", "32",
-        "--graceful-timeout", "5", "exo_tasks.api:create_app()",
-    ])
+    _exec(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"{settings.api_host}:{settings.api_port}",
+            "--workers",
+            str(settings.api_workers),
+            "--worker-class",
+            "gthread",
+            "--threads",
+            "32",
+            "--graceful-timeout",
+            "5",
+            "exo_tasks.api:create_app()",
+        ]
+    )
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
@@ -67,8 +92,16 @@ def cmd_flower(settings: Settings, _: argparse.Namespace) -> None:
     from exo_tasks.redis_server import wait_for_redis
 
     wait_for_redis(settings.effective_redis_url)
-    argv = [sys.executable, "-m", "celery", "-A", "exo_tasks.worker", "flower",
-            f"--port={settings.flower_port}", "--address=127.0.0.1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "exo_tasks.worker",
+        "flower",
+        f"--port={settings.flower_port}",
+        "--address=127.0.0.1",
+    ]
     if settings.flower_basic_auth is not None:
         argv.append(f"--basic_auth={settings.flower_basic_auth.get_secret_value()}")
     _exec(argv)
@@ -102,8 +135,10 @@ def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
                 print(json.loads(line.removeprefix("data: "))["text"], end="", flush=True)
             elif line.startswith("data: "):
                 job = json.loads(line.removeprefix("data: "))
-                print(f"\n[{job['status']}: {job['output']['finish_reason'] or job['error']}]",
-                      file=sys.stderr)
+                print(
+                    f"\n[{job['status']}: {job['output']['finish_reason'] or job['error']}]",
+                    file=sys.stderr,
+                )
                 return
 
 
@@ -111,15 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exo-tasks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run the whole stack (redis, api, worker, flower)").set_defaults(
-        func=cmd_up)
+        func=cmd_up
+    )
     sub.add_parser("redis", help="run the embedded redis-server").set_defaults(func=cmd_redis)
     sub.add_parser("api", help="run the HTTP API (gunicorn)").set_defaults(func=cmd_api)
     worker = sub.add_parser("worker", help="run this host's worker and its runners")
     worker.add_argument("-c", "--concurrency", type=int, default=None)
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("flower", help="run the Flower monitoring UI").set_defaults(func=cmd_flower)
-    model = sub.add_parser("model", help="make models").add_subparsers(dest="action",
-                                                                        required=True)
+    model = sub.add_parser("model", help="make models").add_subparsers(dest="action", required=True)
     create = model.add_parser("create", help="write a random-weight model from a preset")
     create.add_argument("preset", choices=["tiny", "bench"])
     create.add_argument("dir")

@@ -39,14 +39,22 @@ def redis_server_argv(port: int, data_dir: Path) -> list[str]:
     data_dir.mkdir(parents=True, exist_ok=True)
     return [
         find_redis_server(),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--protected-mode", "yes",
-        "--dir", str(data_dir.resolve()),
-        "--appendonly", "yes",
-        "--appendfsync", "everysec",
-        "--save", "",
-        "--daemonize", "no",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--protected-mode",
+        "yes",
+        "--dir",
+        str(data_dir.resolve()),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--daemonize",
+        "no",
     ]
 
 

@@ -99,8 +99,12 @@ class Runner:
         self.spec = spec
         self.store = Store.from_url(spec.redis_url, result_ttl_s=spec.result_ttl_s)
         self.state = RunnerState(
-            id=spec.runner_id, host=spec.host, model=spec.model,
-            status=RunnerStatus.WAITING_FOR_MODEL, pid=os.getpid(), started_at=utcnow(),
+            id=spec.runner_id,
+            host=spec.host,
+            model=spec.model,
+            status=RunnerStatus.WAITING_FOR_MODEL,
+            pid=os.getpid(),
+            started_at=utcnow(),
         )
         self.commands: queue.Queue[RunnerCommand] = queue.Queue()
         self.active: dict[str, ActiveJob] = {}
@@ -153,11 +157,13 @@ class Runner:
 
         from exo_tasks.engine import BatchEngine
 
-        model, tokenizer = mlx_lm.load(self.spec.model_path)
+        loaded = mlx_lm.load(self.spec.model_path)
+        model, tokenizer = loaded[0], loaded[1]
         self.state = self.state.model_copy(update={"model_loads": self.state.model_loads + 1})
         self.publish(RunnerStatus.LOADED)
         self.engine = BatchEngine(
-            model, tokenizer,
+            model,
+            tokenizer,
             completion_batch_size=self.spec.completion_batch_size,
             prefill_batch_size=self.spec.prefill_batch_size,
         )
@@ -205,7 +211,9 @@ class Runner:
 
     def _take_commands(self, *, block: bool) -> None:
         try:
-            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+            command = (
+                self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
@@ -235,15 +243,19 @@ class Runner:
             return
         try:
             prompt_tokens = self.engine.encode(job.request.prompt, job.request.messages)
-        except Exception as exc:
+        except ValueError as exc:
             self.store.release_job(self.spec.runner_id, job.id)
             self.store.fail_job(job.id, f"could not encode the prompt: {exc}")
             return
-        started = job.model_copy(update={
-            "status": "running", "started_at": utcnow(), "host": self.spec.host,
-            "runner_id": self.spec.runner_id, "usage": job.usage.model_copy(
-                update={"prompt_tokens": len(prompt_tokens)}),
-        })
+        started = job.model_copy(
+            update={
+                "status": "running",
+                "started_at": utcnow(),
+                "host": self.spec.host,
+                "runner_id": self.spec.runner_id,
+                "usage": job.usage.model_copy(update={"prompt_tokens": len(prompt_tokens)}),
+            }
+        )
         if not self.store.transition(started, allowed_from=("queued",)):
             self.store.release_job(self.spec.runner_id, job.id)  # cancelled meanwhile
             return
@@ -280,8 +292,13 @@ class Runner:
             self._end(job_id, "succeeded", reason, in_engine=False)
 
     def _end(
-        self, job_id: str, status: JobStatus, reason: FinishReason | None,
-        error: str | None = None, *, in_engine: bool = True,
+        self,
+        job_id: str,
+        status: JobStatus,
+        reason: FinishReason | None,
+        error: str | None = None,
+        *,
+        in_engine: bool = True,
     ) -> None:
         """Take a job out of the batch and record how it ended (first writer wins)."""
         job = self.active.pop(job_id, None)
@@ -290,8 +307,11 @@ class Runner:
         if in_engine:
             self.engine.remove(job_id)
         final = job.record.finished(
-            status, text="".join(job.text), finish_reason=reason,
-            completion_tokens=job.completion_tokens, error=error,
+            status,
+            text="".join(job.text),
+            finish_reason=reason,
+            completion_tokens=job.completion_tokens,
+            error=error,
         )
         self.store.finish_job(final)
         self.store.release_job(self.spec.runner_id, job_id)
@@ -324,8 +344,9 @@ class Runner:
         """Warm: wait for in-flight jobs until the deadline; then end the rest as `shutdown`."""
         if self.active and time.monotonic() < self.stop_deadline:
             return False
-        self._end_all("failed", "shutdown", f"runner {self.spec.runner_id} shut down before "
-                      "the job finished")
+        self._end_all(
+            "failed", "shutdown", f"runner {self.spec.runner_id} shut down before the job finished"
+        )
         return True
 
 

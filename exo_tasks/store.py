@@ -13,8 +13,8 @@ from typing import Any
 import redis
 from pydantic import TypeAdapter
 
+from config.celery import PRIORITY_STEPS
 from exo_tasks.types import (
-    TERMINAL_JOB_STATUSES,
     DoneEvent,
     JobEvent,
     JobRecord,
@@ -28,6 +28,7 @@ from exo_tasks.types import (
 PREFIX = "exo"
 RECENT_JOBS_KEPT = 10_000
 RUNNER_HISTORY_KEPT = 50
+KOMBU_PRIORITY_SEP = "\x06\x16"
 ACTIVE_STATUSES: tuple[JobStatus, ...] = ("queued", "running")
 
 _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
@@ -83,7 +84,8 @@ class Store:
     """Typed access to everything exo_tasks keeps in Redis."""
 
     def __init__(self, client: redis.Redis, *, result_ttl_s: int = 24 * 3600) -> None:
-        self.redis = client
+        # Any: redis-py's annotations cannot express decode_responses=True (every reply is str).
+        self.redis: Any = client
         self.result_ttl_s = result_ttl_s
         self._transition = client.register_script(_TRANSITION)
 
@@ -93,6 +95,13 @@ class Store:
 
     def ping(self) -> bool:
         return bool(self.redis.ping())
+
+    def queue_depth(self, queue: str) -> int:
+        """Messages waiting in a Celery queue, across its priority lists (kombu's layout)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for step in PRIORITY_STEPS:
+            pipe.llen(f"{queue}{KOMBU_PRIORITY_SEP}{step}" if step else queue)
+        return sum(pipe.execute())
 
     # --- jobs ---
 
@@ -124,11 +133,12 @@ class Store:
                     jobs.append(job)
         return jobs[:limit]
 
-    def _pipeline_get(self, ids: Iterable[str]) -> list[Any]:
+    def _pipeline_get(self, ids: Iterable[str]) -> list[str | None]:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
             pipe.hget(job_key(job_id), "record")
-        return pipe.execute()
+        records: list[str | None] = pipe.execute()
+        return records
 
     def transition(self, job: JobRecord, *, allowed_from: Iterable[str]) -> bool:
         """Write `job` if its stored status is one of `allowed_from`; a terminal status also
@@ -137,7 +147,8 @@ class Store:
         if job.is_terminal:
             event = DoneEvent(event="error" if job.status == "failed" else "done", job=job)
             event_name, event_data, ttl = event.event, event.model_dump_json(), self.result_ttl_s
-        args = [job.status, job.model_dump_json(), event_name, event_data, ttl, *allowed_from]
+        args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data, ttl]
+        args.extend(allowed_from)
         return bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
 
     def finish_job(self, job: JobRecord) -> bool:
@@ -151,8 +162,9 @@ class Store:
             return False
         text, tokens = self.streamed_text(job_id)
         return self.finish_job(
-            job.finished("failed", text=text, finish_reason=None, completion_tokens=tokens,
-                         error=error)
+            job.finished(
+                "failed", text=text, finish_reason=None, completion_tokens=tokens, error=error
+            )
         )
 
     # --- a job's event stream ---
@@ -173,8 +185,7 @@ class Store:
             return []
         _key, entries = reply[0]
         return [
-            (entry_id, _event_adapter.validate_json(fields["data"]))
-            for entry_id, fields in entries
+            (entry_id, _event_adapter.validate_json(fields["data"])) for entry_id, fields in entries
         ]
 
     def streamed_text(self, job_id: str) -> tuple[str, int]:
@@ -231,7 +242,3 @@ class Store:
         pipe.delete(f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox")
         job_ids, _ = pipe.execute()
         return [job_id for job_id in sorted(job_ids) if self.fail_job(job_id, error)]
-
-
-def is_terminal(status: str) -> bool:
-    return status in TERMINAL_JOB_STATUSES

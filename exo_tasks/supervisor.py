@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
+from typing import cast
 
 from config.settings import Settings, model_slug
 from exo_tasks import runner
@@ -69,11 +70,15 @@ class RunnerSupervisor:
         for model_path in settings.served_models:
             slug = model_slug(model_path)
             spec = runner.RunnerSpec(
-                runner_id=runner_id_for(slug, self.host), host=self.host, model=slug,
-                model_path=model_path, redis_url=settings.effective_redis_url,
+                runner_id=runner_id_for(slug, self.host),
+                host=self.host,
+                model=slug,
+                model_path=model_path,
+                redis_url=settings.effective_redis_url,
                 result_ttl_s=settings.result_expires_s,
                 completion_batch_size=settings.completion_batch_size,
-                prefill_batch_size=settings.prefill_batch_size, log_level=settings.log_level,
+                prefill_batch_size=settings.prefill_batch_size,
+                log_level=settings.log_level,
             )
             self.handles[spec.runner_id] = RunnerHandle(spec)
 
@@ -86,12 +91,18 @@ class RunnerSupervisor:
 
     def _spawn(self, handle: RunnerHandle) -> None:
         spec = handle.spec
-        self.store.publish_runner(RunnerState(
-            id=spec.runner_id, host=spec.host, model=spec.model,
-            status=RunnerStatus.WAITING_FOR_MODEL, restarts=handle.restarts,
-        ))
+        self.store.publish_runner(
+            RunnerState(
+                id=spec.runner_id,
+                host=spec.host,
+                model=spec.model,
+                status=RunnerStatus.WAITING_FOR_MODEL,
+                restarts=handle.restarts,
+            )
+        )
         process = multiprocessing.get_context("spawn").Process(
-            target=runner.main, args=(spec.model_copy(update={}).model_dump_json(),),
+            target=runner.main,
+            args=(spec.model_copy(update={}).model_dump_json(),),
             name=f"runner {spec.runner_id}",
         )
         process.start()
@@ -102,12 +113,14 @@ class RunnerSupervisor:
     def _watch(self) -> None:
         while not self._closing.is_set():
             with self._lock:
-                alive = {h.process.sentinel: h for h in self.handles.values()
-                         if h.process is not None and h.process.exitcode is None}
+                alive = {
+                    h.process.sentinel: h
+                    for h in self.handles.values()
+                    if h.process is not None and h.process.exitcode is None
+                }
             ready = multiprocessing.connection.wait(list(alive), timeout=WATCH_INTERVAL_S)
             for sentinel in ready:
-                alive[sentinel].process.join(0)  # type: ignore[union-attr]
-                self._on_exit(alive[sentinel])
+                self._on_exit(alive[cast(int, sentinel)])
             self._restart_due()
 
     def _on_exit(self, handle: RunnerHandle) -> None:
@@ -124,20 +137,28 @@ class RunnerSupervisor:
             state = self.store.get_runner(runner_id)
             failed = self.store.fail_runner_jobs(runner_id, f"runner {runner_id} died: {cause}")
             if failed:
-                log.error("jobs failed with their runner", extra={"runner": runner_id,
-                                                                  "jobs": ",".join(failed)})
+                log.error(
+                    "jobs failed with their runner",
+                    extra={"runner": runner_id, "jobs": ",".join(failed)},
+                )
             uptime = time.monotonic() - handle.started_monotonic
-            handle.failures_in_a_row = 1 if uptime > HEALTHY_UPTIME_S else \
-                handle.failures_in_a_row + 1
+            handle.failures_in_a_row = (
+                1 if uptime > HEALTHY_UPTIME_S else handle.failures_in_a_row + 1
+            )
             gave_up = handle.failures_in_a_row > self.settings.runner_max_restarts
-            error = cause if not gave_up else (
-                f"{cause}; gave up after {handle.failures_in_a_row} failures in a row")
+            error = (
+                cause
+                if not gave_up
+                else (f"{cause}; gave up after {handle.failures_in_a_row} failures in a row")
+            )
             delay = restart_backoff_s(handle.failures_in_a_row)
             restart_at = None if gave_up else utcnow() + timedelta(seconds=delay)
             self._publish_final(handle, state, RunnerStatus.FAILED, error, restart_at)
             if gave_up:
-                log.critical("runner keeps failing; not restarting it",
-                             extra={"runner": runner_id, "failures": handle.failures_in_a_row})
+                log.critical(
+                    "runner keeps failing; not restarting it",
+                    extra={"runner": runner_id, "failures": handle.failures_in_a_row},
+                )
                 handle.process = None
                 return
             handle.restart_at = time.monotonic() + delay
@@ -152,23 +173,38 @@ class RunnerSupervisor:
                     self._spawn(handle)
 
     def _publish_final(
-        self, handle: RunnerHandle, last: RunnerState | None, status: RunnerStatus,
-        error: str | None, next_restart_at: datetime | None = None,
+        self,
+        handle: RunnerHandle,
+        last: RunnerState | None,
+        status: RunnerStatus,
+        error: str | None,
+        next_restart_at: datetime | None = None,
     ) -> None:
         spec = handle.spec
-        base = last or RunnerState(id=spec.runner_id, host=spec.host, model=spec.model,
-                                   status=status)
-        self.store.publish_runner(base.model_copy(update={
-            "status": status, "error": error, "active_jobs": 0, "updated_at": utcnow(),
-            "restarts": handle.restarts, "next_restart_at": next_restart_at,
-        }), status_changed=True)
+        base = last or RunnerState(
+            id=spec.runner_id, host=spec.host, model=spec.model, status=status
+        )
+        self.store.publish_runner(
+            base.model_copy(
+                update={
+                    "status": status,
+                    "error": error,
+                    "active_jobs": 0,
+                    "updated_at": utcnow(),
+                    "restarts": handle.restarts,
+                    "next_restart_at": next_restart_at,
+                }
+            ),
+            status_changed=True,
+        )
 
     def _record_stop(self, handle: RunnerHandle, cause: str) -> None:
         """An intended stop: exit 0 after `Shutdown` is clean; anything else is a failure."""
         runner_id = handle.spec.runner_id
         state = self.store.get_runner(runner_id)
-        clean = cause == "exitcode=0" and state is not None and \
-            state.status == RunnerStatus.SHUTDOWN
+        clean = (
+            cause == "exitcode=0" and state is not None and state.status == RunnerStatus.SHUTDOWN
+        )
         if not clean:
             self.store.fail_runner_jobs(runner_id, f"runner {runner_id} stopped: {cause}")
             self._publish_final(handle, state, RunnerStatus.FAILED, cause)
@@ -209,7 +245,8 @@ class RunnerSupervisor:
         command = StopRunner(mode="warm" if mode == "warm" else "hard", timeout_s=grace)
         threads = [
             threading.Thread(target=self.stop_runner, args=(runner_id, command, grace + 1.0))
-            for runner_id, handle in self.handles.items() if handle.process is not None
+            for runner_id, handle in self.handles.items()
+            if handle.process is not None
         ]
         for thread in threads:
             thread.start()

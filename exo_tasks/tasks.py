@@ -19,7 +19,6 @@ from exo_tasks.types import (
     DoneEvent,
     JobRecord,
     RunnerState,
-    RunnerStatus,
     SubmitJob,
     runner_id_for,
 )
@@ -30,12 +29,12 @@ WAIT_SLICE_MS = 500
 CANCEL_ACK_S = 3.0
 
 
-def _app(task: Task) -> ExoCelery:
+def _app(task: Task[Any, Any]) -> ExoCelery:
     return cast(ExoCelery, task.app)
 
 
 @shared_task(name=INFERENCE_TASK, bind=True)
-def inference(self: Task, job_id: str) -> dict[str, Any]:
+def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
     """Run one job on this host's runner for its model; the job record holds the result."""
     app = _app(self)
     store, settings = app.store, app.settings
@@ -102,8 +101,9 @@ def _time_out(store: Store, job_id: str) -> None:
     if job is None or job.is_terminal:
         return
     text, tokens = store.streamed_text(job_id)
-    store.finish_job(job.finished("timed_out", text=text, finish_reason="time_limit",
-                                  completion_tokens=tokens))
+    store.finish_job(
+        job.finished("timed_out", text=text, finish_reason="time_limit", completion_tokens=tokens)
+    )
 
 
 def _summary(job: JobRecord) -> dict[str, Any]:

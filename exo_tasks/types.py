@@ -6,8 +6,8 @@ Pure: imports neither redis nor mlx, so every process (and every unit test) can 
 from __future__ import annotations
 
 import enum
-from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, Self
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -170,7 +170,7 @@ class JobRecord(BaseModel):
         )
 
 
-def _ms(delta: Any) -> float:
+def _ms(delta: timedelta) -> float:
     return round(delta.total_seconds() * 1000, 2)
 
 

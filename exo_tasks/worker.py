@@ -23,19 +23,19 @@ from exo_tasks.types import host_queue, model_queue
 log = logging.getLogger("exo_tasks.worker")
 
 
-class RunnerSupervisorStep(bootsteps.StartStopStep):  # type: ignore[misc]
+class RunnerSupervisorStep(bootsteps.StartStopStep):
     """Starts the runners before the pool forks and stops them after the pool has drained."""
 
     label = "runner supervisor"
 
-    def create(self, worker: Any) -> RunnerSupervisor:
+    def create(self, worker: Any) -> RunnerSupervisor:  # type: ignore[override]
         app: ExoCelery = worker.app
         return RunnerSupervisor(app.settings, app.store)
 
 
 # Bootstep order among siblings is not guaranteed; making the pool require the supervisor puts
 # the supervisor's start before the pool's and its stop (steps stop in reverse) after it.
-components.Pool.requires = (*components.Pool.requires, RunnerSupervisorStep)
+components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
 
 
 def create_worker_app(settings: Settings) -> ExoCelery:

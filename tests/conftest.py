@@ -5,13 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from config.settings import Settings
 from exo_tasks.store import Store
-from tests.stack import Api, Processes, RedisServer, Worker, start_redis, start_worker, \
-    wait_runner_ready
+from tests.stack import (
+    Api,
+    Processes,
+    RedisServer,
+    Worker,
+    start_redis,
+    start_worker,
+    wait_runner_ready,
+)
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +45,9 @@ def processes() -> Iterator[Processes]:
 
 
 @pytest.fixture(scope="session")
-def redis_server(session_processes: Processes,
-                 tmp_path_factory: pytest.TempPathFactory) -> RedisServer:
+def redis_server(
+    session_processes: Processes, tmp_path_factory: pytest.TempPathFactory
+) -> RedisServer:
     return start_redis(session_processes, tmp_path_factory.mktemp("redis"))
 
 
@@ -47,9 +56,14 @@ def store(redis_server: RedisServer) -> Store:
     return Store.from_url(redis_server.url)
 
 
-def api_settings(redis_url: str, models: list[Path], **overrides: object) -> Settings:
-    return Settings(redis_url=redis_url, models=",".join(str(m) for m in models),
-                    hostname="api-host", _env_file=None, **overrides)  # type: ignore[call-arg]
+def api_settings(redis_url: str, models: list[Path], **overrides: Any) -> Settings:
+    return Settings(
+        redis_url=redis_url,
+        models=",".join(str(m) for m in models),
+        hostname="api-host",
+        _env_file=None,
+        **overrides,
+    )
 
 
 @dataclass
@@ -61,8 +75,13 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(redis_server: RedisServer, store: Store, tiny_model: Path,
-          session_processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    redis_server: RedisServer,
+    store: Store,
+    tiny_model: Path,
+    session_processes: Processes,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
     """One host serving the tiny model, shared by the tests that do not break anything."""
     data_dir = tmp_path_factory.mktemp("stack")
     worker = start_worker(session_processes, redis_server.url, "host-a", [tiny_model], data_dir)

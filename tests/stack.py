@@ -6,6 +6,7 @@ even when the test failed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -38,8 +39,9 @@ def free_port() -> int:
         return port
 
 
-def wait_until(condition: Callable[[], Any], timeout_s: float, what: str,
-               interval_s: float = 0.05) -> Any:
+def wait_until(
+    condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05
+) -> Any:
     """Poll until `condition()` is truthy; fail naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -58,10 +60,8 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     except psutil.NoSuchProcess:
         return
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(procs, timeout=10)
 
 
@@ -72,19 +72,25 @@ class Processes:
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
     extra_pids: set[int] = field(default_factory=set)
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    def start(
+        self, argv: list[str], env: dict[str, str], log_path: Path
+    ) -> subprocess.Popen[bytes]:
         log = log_path.open("ab")
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.started.append(proc)
         return proc
 
     def remember_descendants(self) -> None:
         for proc in self.started:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 self.extra_pids.update(c.pid for c in psutil.Process(proc.pid).children(True))
-            except psutil.NoSuchProcess:
-                pass
 
     def stop_all(self) -> None:
         self.remember_descendants()
@@ -126,37 +132,48 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
 
-def worker_env(redis_url: str, host: str, models: list[Path], data_dir: Path,
-               **overrides: Any) -> dict[str, str]:
+def worker_env(
+    redis_url: str, host: str, models: list[Path], data_dir: Path, **overrides: Any
+) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "EXO_REDIS_URL": redis_url,
-        "EXO_HOSTNAME": host,
-        "EXO_MODELS": ",".join(str(m) for m in models),
-        "EXO_DATA_DIR": str(data_dir),
-        "EXO_WORKER_CONCURRENCY": "4",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "EXO_REDIS_URL": redis_url,
+            "EXO_HOSTNAME": host,
+            "EXO_MODELS": ",".join(str(m) for m in models),
+            "EXO_DATA_DIR": str(data_dir),
+            "EXO_WORKER_CONCURRENCY": "10",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update({f"EXO_{k.upper()}": str(v) for k, v in overrides.items()})
     return env
 
 
-def start_worker(processes: Processes, redis_url: str, host: str, models: list[Path],
-                 data_dir: Path, **overrides: Any) -> Worker:
+def start_worker(
+    processes: Processes,
+    redis_url: str,
+    host: str,
+    models: list[Path],
+    data_dir: Path,
+    **overrides: Any,
+) -> Worker:
     env = worker_env(redis_url, host, models, data_dir, **overrides)
     log_path = data_dir / f"worker-{host}.log"
     proc = processes.start([EXO_TASKS, "worker"], env, log_path)
     return Worker(host=host, env=env, log_path=log_path, process=proc)
 
 
-def wait_runner_ready(store: Store, worker: Worker, model: str = "tiny",
-                      timeout_s: float = 90) -> RunnerState:
+def wait_runner_ready(
+    store: Store, worker: Worker, model: str = "tiny", timeout_s: float = 90
+) -> RunnerState:
     runner_id = runner_id_for(model, worker.host)
 
     def ready() -> RunnerState | None:
         if worker.process.poll() is not None:
-            raise AssertionError(f"worker exited ({worker.process.returncode}):\n"
-                                 f"{worker.log_text()[-4000:]}")
+            raise AssertionError(
+                f"worker exited ({worker.process.returncode}):\n{worker.log_text()[-4000:]}"
+            )
         state = store.get_runner(runner_id)
         return state if state is not None and state.status.accepts_jobs else None
 

@@ -23,5 +23,9 @@ def readyz() -> tuple[Response, int]:
     except (redis.ConnectionError, redis.TimeoutError):
         return jsonify({"status": "unavailable", "redis": False, "ready_runners": []}), 503
     status = 200 if ready else 503
-    body = {"status": "ready" if ready else "no runner ready", "redis": True, "ready_runners": ready}
+    body = {
+        "status": "ready" if ready else "no runner ready",
+        "redis": True,
+        "ready_runners": ready,
+    }
     return jsonify(body), status

@@ -65,17 +65,16 @@ def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
         args=[job.id],
         task_id=job.id,
         queue=model_queue(model),
-        soft_time_limit=soft,
-        time_limit=soft + settings.job_hard_grace_s,
+        # Celery takes float seconds here; its stubs say int.
+        soft_time_limit=soft,  # type: ignore[arg-type]
+        time_limit=soft + settings.job_hard_grace_s,  # type: ignore[arg-type]
         priority=PRIORITY_LEVELS[job_request.priority],
     )
     return job
 
 
 def parse_job_request(context: ApiContext, body: dict[str, Any]) -> JobRequest:
-    return JobRequest.model_validate(
-        body, context={"max_tokens_cap": context.settings.max_tokens}
-    )
+    return JobRequest.model_validate(body, context={"max_tokens_cap": context.settings.max_tokens})
 
 
 @bp.post("")
