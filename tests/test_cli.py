@@ -1,0 +1,119 @@
+"""The `exo-tasks` command: model creation, submit, and the whole stack under honcho."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+from tests.conftest import Stack
+from tests.stack import EXO_TASKS, Processes, free_port, wait_until
+
+
+def test_model_create_writes_a_loadable_model(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [EXO_TASKS, "model", "create", "tiny", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "m" / "config.json").is_file()
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_model_create_rejects_an_unknown_preset(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [EXO_TASKS, "model", "create", "huge", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "invalid choice: 'huge'" in result.stderr
+
+
+def test_submit_streams_tokens_to_stdout(stack: Stack) -> None:
+    env = {**os.environ, "EXO_API_URL": stack.api.url}
+    result = subprocess.run(
+        [EXO_TASKS, "submit", "hello", "--max-tokens", "16"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = result.stderr.split()[1]
+    job = stack.api.get(f"/v1/jobs/{job_id}").json()
+    assert result.stdout == job["output"]["text"] and len(result.stdout) > 0
+    assert "[succeeded: length]" in result.stderr
+
+
+def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
+    processes: Processes, tmp_path: Path
+) -> None:
+    ports = {
+        "EXO_API_PORT": free_port(),
+        "EXO_FLOWER_PORT": free_port(),
+        "EXO_REDIS_PORT": free_port(),
+    }
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("EXO_")},
+        **{k: str(v) for k, v in ports.items()},
+        "EXO_DATA_DIR": str(tmp_path / "var"),
+        "EXO_HOSTNAME": "up-host",
+        "EXO_WORKER_CONCURRENCY": "2",
+        "EXO_API_WORKERS": "1",
+    }
+    honcho = processes.start([EXO_TASKS, "up"], env, tmp_path / "up.log")
+    api = f"http://127.0.0.1:{ports['EXO_API_PORT']}"
+
+    def ready() -> bool:
+        assert honcho.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+        try:
+            return requests.get(f"{api}/readyz", timeout=1).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    wait_until(ready, 90, "the stack's /readyz", interval_s=0.5)
+    assert (tmp_path / "var" / "models" / "tiny" / "config.json").is_file()
+    job_id = requests.post(
+        f"{api}/v1/jobs", json={"prompt": "hi", "max_tokens": 8}, timeout=5
+    ).json()["id"]
+    wait_until(
+        lambda: requests.get(f"{api}/v1/jobs/{job_id}", timeout=5).json()["status"] == "succeeded",
+        30,
+        "the job",
+    )
+    flower = f"http://127.0.0.1:{ports['EXO_FLOWER_PORT']}/healthcheck"
+    wait_until(lambda: _answers(flower), 30, "Flower")
+    assert list((tmp_path / "var" / "redis").glob("appendonly*")), "AOF persistence is on"
+
+    everything = [honcho.pid, *(c.pid for c in psutil.Process(honcho.pid).children(True))]
+    assert len(everything) >= 6  # honcho, redis, api (2), worker + pool + runner, flower
+    started = time.monotonic()
+    honcho.send_signal(signal.SIGINT)
+    honcho.wait(timeout=20)
+    wait_until(
+        lambda: (
+            not any(
+                psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                for p in everything
+            )
+        ),
+        10,
+        "every process of the stack to exit",
+    )
+    assert time.monotonic() - started < 12
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False

