@@ -92,3 +92,10 @@ def test_max_tokens_cap_comes_from_the_context() -> None:
         JobRequest.model_validate(
             {"prompt": "a", "max_tokens": 101}, context={"max_tokens_cap": 100}
         )
+
+
+def test_pinning_to_a_host_that_does_not_serve_the_model_is_422(stack: Stack) -> None:
+    response = stack.api.post("/v1/jobs", json={"prompt": "a", "host": "elsewhere"})
+    assert response.status_code == 422
+    assert response.json()["error"]["details"]["field"] == "host"
+    assert "elsewhere" in response.json()["error"]["message"]

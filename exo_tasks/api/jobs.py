@@ -19,7 +19,9 @@ from exo_tasks.types import (
     DoneEvent,
     JobRecord,
     JobRequest,
+    host_queue,
     model_queue,
+    runner_id_for,
 )
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -57,6 +59,14 @@ def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
     """Record the job, then send its task: a job the API accepted is never unknown."""
     settings = context.settings
     model = resolve_model(context, job_request.model)
+    queue = model_queue(model)
+    if job_request.host is not None:
+        # Pinned: the host's own queue, which only that host's worker consumes.
+        if context.store.get_runner(runner_id_for(model, job_request.host)) is None:
+            raise InvalidRequest(
+                f"host '{job_request.host}' does not serve model '{model}'", {"field": "host"}
+            )
+        queue = host_queue(job_request.host)
     job = JobRecord(id=uuid.uuid4().hex, model=model, request=job_request)
     context.store.create_job(job)
     soft = job_request.timeout_s or settings.job_soft_time_limit_s
@@ -64,7 +74,7 @@ def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
         INFERENCE_TASK,
         args=[job.id],
         task_id=job.id,
-        queue=model_queue(model),
+        queue=queue,
         # Celery takes float seconds here; its stubs say int.
         soft_time_limit=soft,  # type: ignore[arg-type]
         time_limit=soft + settings.job_hard_grace_s,  # type: ignore[arg-type]
