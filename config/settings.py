@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     models: str = Field("", description="Comma-separated model paths or hub ids; '' = tiny.")
 
     # The worker.
-    worker_concurrency: int = 8
+    worker_concurrency: int = 34  # pool children: up to a full batch of 32, plus control tasks
+    worker_soft_shutdown_s: float = 30.0
     job_soft_time_limit_s: float = 600.0
     job_hard_grace_s: float = 30.0
     runner_shutdown_grace_s: float = 30.0

@@ -53,9 +53,41 @@ class RunnerSpec(BaseModel):
     model_path: str
     redis_url: str
     result_ttl_s: int
+    restarts: int = 0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     log_level: str = "INFO"
+
+
+class RunnerProgress:
+    """Shared memory with the supervisor, so it can tell a hung runner from a busy one:
+    [time of the last progress (monotonic), active jobs, jobs still waiting for a first token]."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    @classmethod
+    def create(cls, context: Any) -> RunnerProgress:
+        return cls(context.Array("d", 3))
+
+    def record(self, *, active: int, awaiting_first_token: int, progressed: bool) -> None:
+        with self.array.get_lock():
+            if progressed:
+                self.array[0] = time.monotonic()
+            self.array[1], self.array[2] = active, awaiting_first_token
+
+    def stall(self, prefill_timeout_s: float, decode_timeout_s: float) -> str | None:
+        """Why the runner counts as hung, or None. Idle is never a stall."""
+        with self.array.get_lock():
+            last, active, awaiting = self.array[0], self.array[1], self.array[2]
+        if active == 0:
+            return None
+        silent_s = time.monotonic() - last
+        if awaiting and silent_s > prefill_timeout_s:
+            return f"stalled in prefill (no first token for {silent_s:.1f}s)"
+        if not awaiting and silent_s > decode_timeout_s:
+            return f"stalled in decode (no token for {silent_s:.1f}s)"
+        return None
 
 
 @dataclass
@@ -66,7 +98,7 @@ class ActiveJob:
     completion_tokens: int = 0
 
 
-def main(spec_json: str) -> None:
+def main(spec_json: str, progress_array: Any) -> None:
     """Entry point of the spawned runner process."""
     spec = RunnerSpec.model_validate_json(spec_json)
     # Our own process group: a signal sent to the worker's group (honcho, a terminal's Ctrl-C)
@@ -74,7 +106,7 @@ def main(spec_json: str) -> None:
     os.setpgid(0, 0)
     configure_logging(spec.log_level, runner=spec.runner_id, host=spec.host)
     _exit_with_parent()
-    runner = Runner(spec)
+    runner = Runner(spec, RunnerProgress(progress_array))
     signal.signal(signal.SIGTERM, lambda *_: runner.on_sigterm())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(runner.run())
@@ -95,8 +127,9 @@ def _exit_with_parent() -> None:
 
 
 class Runner:
-    def __init__(self, spec: RunnerSpec) -> None:
+    def __init__(self, spec: RunnerSpec, progress: RunnerProgress) -> None:
         self.spec = spec
+        self.progress = progress
         self.store = Store.from_url(spec.redis_url, result_ttl_s=spec.result_ttl_s)
         self.state = RunnerState(
             id=spec.runner_id,
@@ -105,6 +138,7 @@ class Runner:
             status=RunnerStatus.WAITING_FOR_MODEL,
             pid=os.getpid(),
             started_at=utcnow(),
+            restarts=spec.restarts,
         )
         self.commands: queue.Queue[RunnerCommand] = queue.Queue()
         self.active: dict[str, ActiveJob] = {}
@@ -202,7 +236,8 @@ class Runner:
         while True:
             self._take_commands(block=not self.active)
             if self.terminate_requested:
-                self._begin_stop(StopRunner(mode="hard"))
+                requeue = self.stop_request is not None and self.stop_request.requeue
+                self._begin_stop(StopRunner(mode="hard", requeue=requeue))
             self._drop_expired()
             if self.stop_request is not None and self._stop_finished():
                 return
@@ -237,9 +272,9 @@ class Runner:
         if job is None or job.is_terminal:
             self.store.release_job(self.spec.runner_id, command.job_id)
             return
-        if self.stop_request is not None:
+        if self.stop_request is not None:  # not started: back to the queue, never lost
             self.store.release_job(self.spec.runner_id, job.id)
-            self.store.fail_job(job.id, f"runner {self.spec.runner_id} is shutting down")
+            self.store.requeue_job(job.id)
             return
         try:
             prompt_tokens = self.engine.encode(job.request.prompt, job.request.messages)
@@ -266,6 +301,7 @@ class Runner:
             self.store.fail_job(job.id, str(exc))
             return
         self.active[job.id] = ActiveJob(started, command.deadline)
+        self._record_progress(progressed=True)
         log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt_tokens)})
         self.publish(RunnerStatus.RUNNING)
 
@@ -290,6 +326,13 @@ class Runner:
             self.store.append_tokens(tokens)
         for job_id, reason in finished:
             self._end(job_id, "succeeded", reason, in_engine=False)
+        self._record_progress(progressed=bool(deltas))
+
+    def _record_progress(self, *, progressed: bool) -> None:
+        awaiting = sum(1 for job in self.active.values() if job.record.first_token_at is None)
+        self.progress.record(
+            active=len(self.active), awaiting_first_token=awaiting, progressed=progressed
+        )
 
     def _end(
         self,
@@ -316,12 +359,26 @@ class Runner:
         self.store.finish_job(final)
         self.store.release_job(self.spec.runner_id, job_id)
         log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
+        self._after_job_left()
+
+    def _after_job_left(self) -> None:
+        self._record_progress(progressed=False)
         if not self.active and self.stop_request is None:
             self.publish(RunnerStatus.READY)
 
     def _end_all(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> None:
         for job_id in list(self.active):
             self._end(job_id, status, reason, error)
+
+    def _requeue_all(self) -> None:
+        """The worker is stopping: unfinished jobs go back to the queue for another attempt."""
+        for job_id in list(self.active):
+            del self.active[job_id]
+            self.engine.remove(job_id)
+            self.store.requeue_job(job_id)
+            self.store.release_job(self.spec.runner_id, job_id)
+            log.info("job requeued", extra={"job_id": job_id})
+        self._after_job_left()
 
     def _drop_expired(self) -> None:
         # The task's hard time limit kills its pool child before it can tell us: check ourselves.
@@ -333,22 +390,30 @@ class Runner:
     # --- stopping ---
 
     def _begin_stop(self, command: StopRunner) -> None:
-        if self.stop_request is not None and command.mode != "hard":
-            return
-        log.info("stop requested", extra={"mode": command.mode, "timeout_s": command.timeout_s})
-        self.stop_request = command
-        self.stop_deadline = time.monotonic() + (0 if command.mode == "hard" else command.timeout_s)
+        """Start stopping, or make a stop under way stricter (sooner, or requeueing)."""
+        deadline = time.monotonic() + (0 if command.mode == "hard" else command.timeout_s)
+        if self.stop_request is not None:
+            deadline = min(deadline, self.stop_deadline)
+            command = command.model_copy(
+                update={"requeue": command.requeue or self.stop_request.requeue}
+            )
+            if command == self.stop_request and deadline == self.stop_deadline:
+                return
+        log.info("stop requested", extra=command.model_dump(exclude={"kind"}))
+        self.stop_request, self.stop_deadline = command, deadline
         self.publish(RunnerStatus.SHUTTING_DOWN)
 
     def _stop_finished(self) -> bool:
-        """Warm: wait for in-flight jobs until the deadline; then end the rest as `shutdown`."""
+        """Wait for in-flight jobs until the deadline; then requeue or end the rest."""
         if self.active and time.monotonic() < self.stop_deadline:
             return False
-        self._end_all(
-            "failed", "shutdown", f"runner {self.spec.runner_id} shut down before the job finished"
-        )
+        assert self.stop_request is not None
+        if self.stop_request.requeue:
+            self._requeue_all()
+        else:
+            self._end_all(
+                "failed",
+                "shutdown",
+                f"runner {self.spec.runner_id} shut down before the job finished",
+            )
         return True
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

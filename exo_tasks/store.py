@@ -19,9 +19,11 @@ from exo_tasks.types import (
     JobEvent,
     JobRecord,
     JobStatus,
+    RequeuedEvent,
     RunnerCommand,
     RunnerState,
     StatusChange,
+    SupervisorRequest,
     TokenEvent,
 )
 
@@ -33,6 +35,7 @@ ACTIVE_STATUSES: tuple[JobStatus, ...] = ("queued", "running")
 
 _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
 _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
+_supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequest)
 
 # KEYS: job hash, event stream. ARGV: new status, record, event name ('' for none), event
 # data, ttl seconds (0: keep), then the statuses the job may move from.
@@ -140,13 +143,18 @@ class Store:
         records: list[str | None] = pipe.execute()
         return records
 
-    def transition(self, job: JobRecord, *, allowed_from: Iterable[str]) -> bool:
-        """Write `job` if its stored status is one of `allowed_from`; a terminal status also
-        appends the stream's last event and starts the record's expiry. True if written."""
+    def transition(
+        self, job: JobRecord, *, allowed_from: Iterable[str], event: JobEvent | None = None
+    ) -> bool:
+        """Write `job` if its stored status is one of `allowed_from`, appending `event` to its
+        stream in the same step. A terminal status appends the stream's last event and starts
+        the record's expiry. True if written."""
         event_name, event_data, ttl = "", "", 0
         if job.is_terminal:
             event = DoneEvent(event="error" if job.status == "failed" else "done", job=job)
-            event_name, event_data, ttl = event.event, event.model_dump_json(), self.result_ttl_s
+            ttl = self.result_ttl_s
+        if event is not None:
+            event_name, event_data = event.event, event.model_dump_json()
         args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data, ttl]
         args.extend(allowed_from)
         return bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
@@ -165,6 +173,23 @@ class Store:
             job.finished(
                 "failed", text=text, finish_reason=None, completion_tokens=tokens, error=error
             )
+        )
+
+    def requeue_job(self, job_id: str) -> bool:
+        """Put an unfinished job back to `queued` for another attempt (its worker stopped)."""
+        job = self.get_job(job_id)
+        if job is None or job.is_terminal:
+            return False
+        attempt = job.attempts + 1
+        fresh = JobRecord(
+            id=job.id,
+            model=job.model,
+            request=job.request,
+            created_at=job.created_at,
+            attempts=attempt,
+        )
+        return self.transition(
+            fresh, allowed_from=ACTIVE_STATUSES, event=RequeuedEvent(attempt=attempt)
         )
 
     # --- a job's event stream ---
@@ -188,10 +213,19 @@ class Store:
             (entry_id, _event_adapter.validate_json(fields["data"])) for entry_id, fields in entries
         ]
 
+    def last_event_id(self, job_id: str) -> str:
+        """The stream position to follow a job from: only what happens next is read."""
+        last = self.redis.xrevrange(events_key(job_id), count=1)
+        return str(last[0][0]) if last else "0-0"
+
     def streamed_text(self, job_id: str) -> tuple[str, int]:
-        """The text and token count streamed so far (a failed job keeps its partial text)."""
-        events = self.read_events(job_id)
-        tokens = [event.text for _, event in events if isinstance(event, TokenEvent)]
+        """The text and token count of the current attempt so far (a failed job keeps it)."""
+        tokens: list[str] = []
+        for _, event in self.read_events(job_id):
+            if isinstance(event, RequeuedEvent):
+                tokens = []
+            elif isinstance(event, TokenEvent):
+                tokens.append(event.text)
         return "".join(tokens), len(tokens)
 
     # --- runners ---
@@ -235,10 +269,25 @@ class Store:
     def release_job(self, runner_id: str, job_id: str) -> None:
         self.redis.srem(f"{runner_key(runner_id)}:jobs", job_id)
 
-    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
-        """Fail every job handed to a runner that is gone, and drop its unread inbox."""
+    def take_runner_jobs(self, runner_id: str) -> list[str]:
+        """The jobs handed to a runner that is gone; its unread inbox is dropped."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.smembers(f"{runner_key(runner_id)}:jobs")
         pipe.delete(f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox")
         job_ids, _ = pipe.execute()
-        return [job_id for job_id in sorted(job_ids) if self.fail_job(job_id, error)]
+        return sorted(job_ids)
+
+    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
+        return [j for j in self.take_runner_jobs(runner_id) if self.fail_job(j, error)]
+
+    def requeue_runner_jobs(self, runner_id: str) -> list[str]:
+        return [j for j in self.take_runner_jobs(runner_id) if self.requeue_job(j)]
+
+    # --- a host's supervisor inbox ---
+
+    def send_to_supervisor(self, host: str, request: SupervisorRequest) -> None:
+        self.redis.rpush(f"{PREFIX}:supervisor:{host}", request.model_dump_json())
+
+    def next_supervisor_request(self, host: str, timeout_s: float) -> SupervisorRequest | None:
+        reply = self.redis.blpop([f"{PREFIX}:supervisor:{host}"], timeout=timeout_s)
+        return _supervisor_adapter.validate_json(reply[1]) if reply else None

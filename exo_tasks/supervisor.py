@@ -1,9 +1,10 @@
 """The runner supervisor, in the worker's main process: start, watch, restart and stop runners.
 
 Runners are spawned (never forked: a process that ran MLX cannot fork safely) and watched by
-their process sentinels, so a dead runner is noticed at once, with or without a last word.
-Stopping follows a fixed escalation, each step logged: ask → grace → SIGTERM → 5 s → SIGKILL →
-5 s → "resources may have leaked".
+their process sentinels, so a dead runner is noticed at once, with or without a last word, and
+by a stall watchdog over shared memory, so a hung one is noticed too. Stopping follows a fixed
+escalation, each step logged: ask → grace → SIGTERM → 5 s → SIGKILL → 5 s → "resources may have
+leaked".
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import multiprocessing.connection
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
@@ -22,14 +24,25 @@ from typing import cast
 from config.settings import Settings, model_slug
 from exo_tasks import runner
 from exo_tasks.store import Store
-from exo_tasks.types import RunnerState, RunnerStatus, StopRunner, runner_id_for, utcnow
+from exo_tasks.types import (
+    RunnerState,
+    RunnerStatus,
+    StartRunnerRequest,
+    StopRunner,
+    StopRunnerRequest,
+    SupervisorRequest,
+    runner_id_for,
+    utcnow,
+)
 
 log = logging.getLogger("exo_tasks.supervisor")
 TERM_WAIT_S = 5.0
 KILL_WAIT_S = 5.0
-WATCH_INTERVAL_S = 0.2
+WATCH_INTERVAL_S = 0.1
+CONTROL_POLL_S = 1.0
 # A runner that stayed up this long had recovered: its next crash starts a new count.
 HEALTHY_UPTIME_S = 60.0
+_spawn = multiprocessing.get_context("spawn")
 
 
 def exit_cause(exitcode: int | None) -> str:
@@ -49,24 +62,33 @@ def restart_backoff_s(failures_in_a_row: int) -> float:
 class RunnerHandle:
     spec: runner.RunnerSpec
     process: BaseProcess | None = None
+    progress: runner.RunnerProgress | None = None
     started_monotonic: float = 0.0
     failures_in_a_row: int = 0
     restarts: int = 0
-    stopping: bool = False
+    stop: StopRunner | None = None  # set while an intended stop is under way
+    stall: str | None = None  # set while a hung runner is being stopped
     restart_at: float | None = None
+
+
+# Called with (model, serving?) when a runner stops or starts serving on purpose.
+ServingCallback = Callable[[str, bool], None]
 
 
 class RunnerSupervisor:
     """One runner process per model this host serves."""
 
-    def __init__(self, settings: Settings, store: Store) -> None:
+    def __init__(
+        self, settings: Settings, store: Store, on_serving: ServingCallback | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.host = settings.hostname
+        self.on_serving = on_serving or (lambda queue, serving: None)
         self.handles: dict[str, RunnerHandle] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name="runner-watch", daemon=True)
+        self._drain_deadline: float | None = None
         for model_path in settings.served_models:
             slug = model_slug(model_path)
             spec = runner.RunnerSpec(
@@ -87,10 +109,11 @@ class RunnerSupervisor:
     def start(self) -> None:
         for handle in self.handles.values():
             self._spawn(handle)
-        self._watcher.start()
+        threading.Thread(target=self._watch, name="runner-watch", daemon=True).start()
+        threading.Thread(target=self._serve_requests, name="supervisor-inbox", daemon=True).start()
 
     def _spawn(self, handle: RunnerHandle) -> None:
-        spec = handle.spec
+        spec = handle.spec.model_copy(update={"restarts": handle.restarts})
         self.store.publish_runner(
             RunnerState(
                 id=spec.runner_id,
@@ -100,14 +123,15 @@ class RunnerSupervisor:
                 restarts=handle.restarts,
             )
         )
-        process = multiprocessing.get_context("spawn").Process(
+        handle.progress = runner.RunnerProgress.create(_spawn)
+        process = _spawn.Process(
             target=runner.main,
-            args=(spec.model_copy(update={}).model_dump_json(),),
+            args=(spec.model_dump_json(), handle.progress.array),
             name=f"runner {spec.runner_id}",
         )
         process.start()
         handle.process, handle.started_monotonic = process, time.monotonic()
-        handle.stopping, handle.restart_at = False, None
+        handle.stop = handle.stall = handle.restart_at = None
         log.info("runner started", extra={"runner": spec.runner_id, "pid": process.pid})
 
     def _watch(self) -> None:
@@ -122,57 +146,86 @@ class RunnerSupervisor:
             for sentinel in ready:
                 self._on_exit(alive[cast(int, sentinel)])
             self._restart_due()
+            self._check_stalls()
+            if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                self._drain_deadline = None
+                self._in_thread(self._stop_all, "hard")
+
+    def _check_stalls(self) -> None:
+        for runner_id, handle in list(self.handles.items()):
+            if handle.progress is None or handle.stop is not None or handle.stall is not None:
+                continue
+            stall = handle.progress.stall(
+                self.settings.prefill_timeout_s, self.settings.decode_timeout_s
+            )
+            if stall is not None and handle.process is not None:
+                log.error("runner is hung; stopping it", extra={"runner": runner_id, "why": stall})
+                handle.stall = stall
+                self._in_thread(
+                    self.stop_runner,
+                    runner_id,
+                    StopRunner(mode="hard"),
+                    self.settings.runner_shutdown_grace_s,
+                )
 
     def _on_exit(self, handle: RunnerHandle) -> None:
         with self._lock:
             process = handle.process
-            if process is None or handle.restart_at is not None:
+            if process is None or process.exitcode is None:
                 return
+            handle.process = None
             cause = exit_cause(process.exitcode)
-            runner_id = handle.spec.runner_id
-            if handle.stopping:
-                self._record_stop(handle, cause)
-                return
-            log.error("runner died", extra={"runner": runner_id, "cause": cause})
-            state = self.store.get_runner(runner_id)
-            failed = self.store.fail_runner_jobs(runner_id, f"runner {runner_id} died: {cause}")
-            if failed:
-                log.error(
-                    "jobs failed with their runner",
-                    extra={"runner": runner_id, "jobs": ",".join(failed)},
-                )
-            uptime = time.monotonic() - handle.started_monotonic
-            handle.failures_in_a_row = (
-                1 if uptime > HEALTHY_UPTIME_S else handle.failures_in_a_row + 1
+            if handle.stop is not None and handle.stall is None:
+                self._record_stop(handle, handle.stop, cause)
+            else:
+                self._record_failure(handle, f"{handle.stall}; {cause}" if handle.stall else cause)
+
+    def _record_failure(self, handle: RunnerHandle, cause: str) -> None:
+        """A crash or a hang: fail its jobs at once, then restart it with backoff (bounded)."""
+        runner_id = handle.spec.runner_id
+        log.error("runner failed", extra={"runner": runner_id, "cause": cause})
+        last = self.store.get_runner(runner_id)
+        failed = self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {cause}")
+        if failed:
+            log.error(
+                "jobs failed with their runner",
+                extra={"runner": runner_id, "jobs": ",".join(failed)},
             )
-            gave_up = handle.failures_in_a_row > self.settings.runner_max_restarts
-            error = (
-                cause
-                if not gave_up
-                else (f"{cause}; gave up after {handle.failures_in_a_row} failures in a row")
-            )
-            delay = restart_backoff_s(handle.failures_in_a_row)
-            restart_at = None if gave_up else utcnow() + timedelta(seconds=delay)
-            self._publish_final(handle, state, RunnerStatus.FAILED, error, restart_at)
-            if gave_up:
-                log.critical(
-                    "runner keeps failing; not restarting it",
-                    extra={"runner": runner_id, "failures": handle.failures_in_a_row},
-                )
-                handle.process = None
-                return
-            handle.restart_at = time.monotonic() + delay
-            log.warning("runner restarts soon", extra={"runner": runner_id, "in_s": delay})
+        uptime = time.monotonic() - handle.started_monotonic
+        handle.failures_in_a_row = 1 if uptime > HEALTHY_UPTIME_S else handle.failures_in_a_row + 1
+        if handle.failures_in_a_row > self.settings.runner_max_restarts:
+            error = f"{cause}; gave up after {handle.failures_in_a_row} failures in a row"
+            log.critical("runner keeps failing; not restarting it", extra={"runner": runner_id})
+            self._publish(handle, last, RunnerStatus.FAILED, error)
+            self.on_serving(handle.spec.model, False)
+            return
+        delay = restart_backoff_s(handle.failures_in_a_row)
+        handle.restart_at = time.monotonic() + delay
+        restart_at = utcnow() + timedelta(seconds=delay)
+        self._publish(handle, last, RunnerStatus.FAILED, cause, restart_at)
+        log.warning("runner restarts soon", extra={"runner": runner_id, "in_s": delay})
+
+    def _record_stop(self, handle: RunnerHandle, stop: StopRunner, cause: str) -> None:
+        """An intended stop: exit 0 after `Shutdown` is clean; anything else is a failure."""
+        runner_id = handle.spec.runner_id
+        last = self.store.get_runner(runner_id)
+        clean = cause == "exitcode=0" and last is not None and last.status == RunnerStatus.SHUTDOWN
+        if stop.requeue:
+            self.store.requeue_runner_jobs(runner_id)
+        else:
+            self.store.fail_runner_jobs(runner_id, f"runner {runner_id} stopped: {cause}")
+        if not clean:
+            self._publish(handle, last, RunnerStatus.FAILED, cause)
+        log.info("runner stopped", extra={"runner": runner_id, "cause": cause, "clean": clean})
 
     def _restart_due(self) -> None:
         with self._lock:
             for handle in self.handles.values():
                 if handle.restart_at is not None and time.monotonic() >= handle.restart_at:
                     handle.restarts += 1
-                    handle.spec = handle.spec.model_copy(update={"restarts": handle.restarts})
                     self._spawn(handle)
 
-    def _publish_final(
+    def _publish(
         self,
         handle: RunnerHandle,
         last: RunnerState | None,
@@ -184,42 +237,68 @@ class RunnerSupervisor:
         base = last or RunnerState(
             id=spec.runner_id, host=spec.host, model=spec.model, status=status
         )
-        self.store.publish_runner(
-            base.model_copy(
-                update={
-                    "status": status,
-                    "error": error,
-                    "active_jobs": 0,
-                    "updated_at": utcnow(),
-                    "restarts": handle.restarts,
-                    "next_restart_at": next_restart_at,
-                }
-            ),
-            status_changed=True,
-        )
+        update = {
+            "status": status,
+            "error": error,
+            "active_jobs": 0,
+            "updated_at": utcnow(),
+            "restarts": handle.restarts,
+            "next_restart_at": next_restart_at,
+        }
+        self.store.publish_runner(base.model_copy(update=update), status_changed=True)
 
-    def _record_stop(self, handle: RunnerHandle, cause: str) -> None:
-        """An intended stop: exit 0 after `Shutdown` is clean; anything else is a failure."""
-        runner_id = handle.spec.runner_id
-        state = self.store.get_runner(runner_id)
-        clean = (
-            cause == "exitcode=0" and state is not None and state.status == RunnerStatus.SHUTDOWN
-        )
-        if not clean:
-            self.store.fail_runner_jobs(runner_id, f"runner {runner_id} stopped: {cause}")
-            self._publish_final(handle, state, RunnerStatus.FAILED, cause)
-        log.info("runner stopped", extra={"runner": runner_id, "cause": cause, "clean": clean})
-        handle.process = None
+    # --- requests from the shutdown_runner and load_runner tasks ---
+
+    def _serve_requests(self) -> None:
+        while not self._closing.is_set():
+            try:
+                request = self.store.next_supervisor_request(self.host, CONTROL_POLL_S)
+            except Exception:
+                log.exception("reading supervisor requests failed; retrying")
+                time.sleep(CONTROL_POLL_S)
+                continue
+            if request is not None:
+                self._in_thread(self.handle_request, request)
+
+    def handle_request(self, request: SupervisorRequest) -> None:
+        if request.runner_id not in self.handles:
+            log.error(
+                "request for a runner this host does not have", extra={"runner": request.runner_id}
+            )
+            return
+        if isinstance(request, StopRunnerRequest):
+            grace = request.command.timeout_s + 1.0 if request.command.mode == "warm" else 1.0
+            self.stop_runner(request.runner_id, request.command, grace, on_purpose=True)
+        elif isinstance(request, StartRunnerRequest):
+            self.start_runner(request.runner_id)
+
+    def start_runner(self, runner_id: str) -> None:
+        with self._lock:
+            handle = self.handles[runner_id]
+            if handle.process is not None and handle.stop is None:
+                log.info("runner already running", extra={"runner": runner_id})
+                return
+            handle.failures_in_a_row = 0
+            self._spawn(handle)
+        self.on_serving(handle.spec.model, True)
 
     # --- stopping ---
 
-    def stop_runner(self, runner_id: str, command: StopRunner, grace_s: float) -> str:
-        """Stop one runner by the escalation; returns the exit cause."""
+    def stop_runner(
+        self, runner_id: str, command: StopRunner, grace_s: float, *, on_purpose: bool = False
+    ) -> str:
+        """Stop one runner by the escalation; returns the exit cause. `on_purpose`: an operator
+        asked, so this host stops serving the model until it is loaded again."""
         with self._lock:
             handle = self.handles[runner_id]
             process = handle.process
-            handle.stopping, handle.restart_at = True, None
+            if handle.stall is None:
+                handle.stop = command
+            handle.restart_at = None
+        if on_purpose:
+            self.on_serving(handle.spec.model, False)
         if process is None:
+            self._publish(handle, self.store.get_runner(runner_id), RunnerStatus.SHUTDOWN, None)
             return "not running"
         extra = {"runner": runner_id, "pid": process.pid}
         log.info("stopping runner", extra={**extra, "mode": command.mode, "grace_s": grace_s})
@@ -239,21 +318,36 @@ class RunnerSupervisor:
         self._on_exit(handle)
         return exit_cause(process.exitcode)
 
-    def stop(self, mode: str = "warm") -> None:
-        """Stop every runner in parallel, by the escalation."""
-        grace = self.settings.runner_shutdown_grace_s if mode == "warm" else 0.0
-        command = StopRunner(mode="warm" if mode == "warm" else "hard", timeout_s=grace)
+    def drain(self, window_s: float) -> None:
+        """Warm worker shutdown has begun: in-flight jobs get `window_s` to finish; then the
+        runners put what is left back on the queue, so the pool can drain and nothing is lost."""
+        self._drain_deadline = time.monotonic() + window_s
+
+    def stop(self) -> None:
+        """Warm shutdown, after the pool drained."""
+        self._stop_all("warm")
+
+    def terminate(self) -> None:
+        """Cold shutdown: in-flight jobs go back to the queue now."""
+        self._stop_all("hard")
+
+    def _stop_all(self, mode: str) -> None:
+        self._drain_deadline = None
+        warm = mode == "warm"
+        grace = self.settings.runner_shutdown_grace_s if warm else 1.0
+        command = StopRunner(mode="warm" if warm else "hard", timeout_s=grace, requeue=True)
         threads = [
-            threading.Thread(target=self.stop_runner, args=(runner_id, command, grace + 1.0))
+            self._in_thread(self.stop_runner, runner_id, command, grace + 1.0)
             for runner_id, handle in self.handles.items()
             if handle.process is not None
         ]
         for thread in threads:
-            thread.start()
-        for thread in threads:
             thread.join()
-        self._closing.set()
+        if warm or not any(h.process for h in self.handles.values()):
+            self._closing.set()
 
-    def terminate(self) -> None:
-        """Cold shutdown: stop now."""
-        self.stop(mode="hard")
+    @staticmethod
+    def _in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        return thread

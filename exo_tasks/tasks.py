@@ -1,6 +1,6 @@
 """Celery tasks, run in the worker's pool children. They never import MLX: they hand work to
-the host's runner through Redis and wait for its result, in short slices so that Celery's soft
-time limit (a signal) is delivered promptly."""
+the host's runner (or its supervisor) through Redis and wait, in short slices so that Celery's
+soft time limit (a signal) is delivered promptly."""
 
 from __future__ import annotations
 
@@ -8,17 +8,29 @@ import logging
 import time
 from typing import Any, cast
 
+from billiard.einfo import ExceptionInfo
 from celery import Task, shared_task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 
-from exo_tasks.celery_app import INFERENCE_TASK, ExoCelery
+from exo_tasks.celery_app import (
+    INFERENCE_TASK,
+    LOAD_RUNNER_TASK,
+    SHUTDOWN_RUNNER_TASK,
+    ExoCelery,
+)
 from exo_tasks.errors import ExoError, RunnerGone
 from exo_tasks.store import Store
+from exo_tasks.supervisor import KILL_WAIT_S, TERM_WAIT_S
 from exo_tasks.types import (
     CancelJob,
     DoneEvent,
     JobRecord,
+    RequeuedEvent,
     RunnerState,
+    RunnerStatus,
+    StartRunnerRequest,
+    StopRunner,
+    StopRunnerRequest,
     SubmitJob,
     runner_id_for,
 )
@@ -29,11 +41,24 @@ WAIT_SLICE_MS = 500
 CANCEL_ACK_S = 3.0
 
 
+class InferenceTask(Task):  # type: ignore[type-arg]
+    def on_failure(
+        self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: ExceptionInfo
+    ) -> None:
+        # A hard time limit kills the pool child; Celery then calls this in the main process.
+        if isinstance(exc, TimeLimitExceeded):
+            app = cast(ExoCelery, self.app)
+            job = app.store.get_job(task_id)
+            app.store.fail_job(task_id, f"hard time limit exceeded ({exc.args[0]}s)")
+            if job is not None and job.runner_id is not None:
+                app.store.send_to_runner(job.runner_id, CancelJob(job_id=task_id))
+
+
 def _app(task: Task[Any, Any]) -> ExoCelery:
     return cast(ExoCelery, task.app)
 
 
-@shared_task(name=INFERENCE_TASK, bind=True)
+@shared_task(name=INFERENCE_TASK, bind=True, base=InferenceTask)
 def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
     """Run one job on this host's runner for its model; the job record holds the result."""
     app = _app(self)
@@ -44,32 +69,45 @@ def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
         return {"job_id": job_id, "status": "unknown"}
     if job.is_terminal:  # cancelled while queued, or finished by an earlier delivery
         return _summary(job)
+    if job.status == "running":  # an earlier attempt died with its worker: start over
+        store.requeue_job(job_id)
     runner_id = runner_id_for(job.model, settings.hostname)
     extra = {"job_id": job_id, "runner": runner_id}
+    runner: RunnerState | None = None
     try:
-        runner = _await_runner(store, runner_id, settings.runner_start_timeout_s)
+        runner = _await_runner(
+            store, runner_id, settings.runner_start_timeout_s, pinned=job.request.host is not None
+        )
         hard_limit = (self.request.timelimit or (None, None))[0] or settings.job_hard_time_limit_s
+        after = store.last_event_id(job_id)
         store.send_to_runner(runner_id, SubmitJob(job_id=job_id, deadline=time.time() + hard_limit))
         log.info("job handed to runner", extra=extra)
-        try:
-            return _summary(_follow(store, job_id, runner, until=None))
-        except SoftTimeLimitExceeded:
-            log.warning("soft time limit reached; ending the job", extra=extra)
-            store.send_to_runner(runner_id, CancelJob(job_id=job_id, reason="time_limit"))
-            return _summary(_follow(store, job_id, runner, until=time.monotonic() + CANCEL_ACK_S))
+        return _summary(_follow(store, job_id, runner, after))
+    except SoftTimeLimitExceeded:
+        log.warning("soft time limit reached; ending the job", extra=extra)
+        if runner is None:  # still waiting for the runner: nothing ran
+            _time_out(store, job_id)
+            return _summary(store.get_job(job_id) or job)
+        store.send_to_runner(runner_id, CancelJob(job_id=job_id, reason="time_limit"))
+        until = time.monotonic() + CANCEL_ACK_S
+        return _summary(_follow(store, job_id, runner, store.last_event_id(job_id), until))
     except ExoError as exc:
         store.fail_job(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
         raise
 
 
-def _await_runner(store: Store, runner_id: str, timeout_s: float) -> RunnerState:
-    """The runner once it takes jobs; a runner still loading is waited for, in slices."""
+def _await_runner(store: Store, runner_id: str, timeout_s: float, *, pinned: bool) -> RunnerState:
+    """The runner once it takes jobs; a runner still loading is waited for, in slices. A job
+    for a runner stopped on purpose goes back to the queue (another host, or a later load, will
+    run it), unless it is pinned to this host."""
     deadline = time.monotonic() + timeout_s
     while True:
         state = store.get_runner(runner_id)
         if state is not None and state.status.accepts_jobs:
             return state
+        if state is not None and state.status == RunnerStatus.SHUTDOWN and not pinned:
+            raise Reject(f"runner {runner_id} is shut down; requeued", requeue=True)
         if state is not None and state.status.is_final and state.next_restart_at is None:
             raise RunnerGone(f"runner {runner_id} is {state.status}: {state.error or 'stopped'}")
         if time.monotonic() > deadline:
@@ -77,14 +115,19 @@ def _await_runner(store: Store, runner_id: str, timeout_s: float) -> RunnerState
         time.sleep(0.1)
 
 
-def _follow(store: Store, job_id: str, runner: RunnerState, until: float | None) -> JobRecord:
-    """Wait for the job's last event. Returns the final record; never waits on a dead runner."""
-    after = "0-0"
+def _follow(
+    store: Store, job_id: str, runner: RunnerState, after: str, until: float | None = None
+) -> JobRecord:
+    """Wait for the job's last event after stream position `after`. Returns the final record;
+    never waits on a dead runner. A job its runner put back on the queue is rejected with
+    requeue, so Celery delivers it again (after a restart, or to another host)."""
     while True:
         for event_id, event in store.read_events(job_id, after, block_ms=WAIT_SLICE_MS):
             after = event_id
             if isinstance(event, DoneEvent):
                 return event.job
+            if isinstance(event, RequeuedEvent):
+                raise Reject("runner stopped before the job finished; requeued", requeue=True)
         current = store.get_runner(runner.id)
         if current is None or current.pid != runner.pid or current.status.is_final:
             store.fail_job(job_id, f"runner {runner.id} stopped while running the job")
@@ -108,3 +151,43 @@ def _time_out(store: Store, job_id: str) -> None:
 
 def _summary(job: JobRecord) -> dict[str, Any]:
     return {"job_id": job.id, "status": job.status, "finish_reason": job.output.finish_reason}
+
+
+# --- runner control, on the host's own queue ---
+
+
+@shared_task(name=SHUTDOWN_RUNNER_TASK, bind=True)
+def shutdown_runner(
+    self: Task[Any, Any], runner_id: str, mode: str, timeout_s: float
+) -> dict[str, Any]:
+    """Ask this host's supervisor to stop a runner; wait (bounded) until it has stopped."""
+    app = _app(self)
+    command = StopRunner.model_validate({"mode": mode, "timeout_s": timeout_s})
+    app.store.send_to_supervisor(
+        app.settings.hostname, StopRunnerRequest(runner_id=runner_id, command=command)
+    )
+    bound = timeout_s + 1.0 + TERM_WAIT_S + KILL_WAIT_S + 5.0
+    state = _await_status(app.store, runner_id, lambda s: s.status.is_final, bound)
+    return {"runner_id": runner_id, "status": state.status, "error": state.error}
+
+
+@shared_task(name=LOAD_RUNNER_TASK, bind=True)
+def load_runner(self: Task[Any, Any], runner_id: str) -> dict[str, Any]:
+    """Ask this host's supervisor to start a stopped runner; wait until it takes jobs."""
+    app = _app(self)
+    app.store.send_to_supervisor(app.settings.hostname, StartRunnerRequest(runner_id=runner_id))
+    state = _await_status(
+        app.store, runner_id, lambda s: s.status.accepts_jobs, app.settings.runner_start_timeout_s
+    )
+    return {"runner_id": runner_id, "status": state.status, "pid": state.pid}
+
+
+def _await_status(store: Store, runner_id: str, reached: Any, timeout_s: float) -> RunnerState:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = store.get_runner(runner_id)
+        if state is not None and reached(state):
+            return state
+        if time.monotonic() > deadline:
+            raise RunnerGone(f"runner {runner_id} did not get there within {timeout_s:.0f}s")
+        time.sleep(0.1)

@@ -190,7 +190,15 @@ class DoneEvent(BaseModel):
     job: JobRecord
 
 
-JobEvent = Annotated[TokenEvent | DoneEvent, Field(discriminator="event")]
+class RequeuedEvent(BaseModel):
+    """The job went back to the queue (its worker stopped): the text so far is discarded and
+    the tokens of the next attempt follow."""
+
+    event: Literal["requeued"] = "requeued"
+    attempt: int
+
+
+JobEvent = Annotated[TokenEvent | DoneEvent | RequeuedEvent, Field(discriminator="event")]
 
 
 # --- Commands to a runner (its Redis inbox) ---
@@ -209,12 +217,51 @@ class CancelJob(BaseModel):
 
 
 class StopRunner(BaseModel):
+    """Warm: finish in-flight jobs for up to `timeout_s`; hard: end them now. Jobs still running
+    then end with finish_reason `shutdown`, or go back to the queue when `requeue` (the whole
+    worker is stopping, so another worker or a restart will run them)."""
+
     kind: Literal["stop"] = "stop"
     mode: Literal["warm", "hard"] = "warm"
     timeout_s: float = Field(30.0, ge=0)
+    requeue: bool = False
 
 
 RunnerCommand = Annotated[SubmitJob | CancelJob | StopRunner, Field(discriminator="kind")]
+
+
+# --- Requests to a host's runner supervisor (from the shutdown_runner and load_runner tasks) ---
+
+
+class StopRunnerRequest(BaseModel):
+    kind: Literal["stop_runner"] = "stop_runner"
+    runner_id: str
+    command: StopRunner
+
+
+class StartRunnerRequest(BaseModel):
+    kind: Literal["start_runner"] = "start_runner"
+    runner_id: str
+
+
+SupervisorRequest = Annotated[StopRunnerRequest | StartRunnerRequest, Field(discriminator="kind")]
+
+
+# --- HTTP bodies for runners and hosts ---
+
+
+class RunnerShutdownBody(WireModel):
+    mode: Literal["warm", "hard"] = "warm"
+    timeout_s: float | None = Field(None, ge=0, le=3600)
+
+
+class RunnerLoadBody(WireModel):
+    model: str
+    host: str | None = None
+
+
+class HostShutdownBody(WireModel):
+    mode: Literal["warm", "cold"] = "warm"
 
 
 class StatusChange(BaseModel):

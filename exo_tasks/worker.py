@@ -8,11 +8,13 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 from typing import Any
 
 from celery import bootsteps
-from celery.signals import worker_process_init
+from celery.signals import worker_process_init, worker_shutting_down
 from celery.worker import components
+from celery.worker.control import control_command
 
 from config.settings import Settings, model_slug
 from exo_tasks.celery_app import ExoCelery
@@ -30,7 +32,27 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
 
     def create(self, worker: Any) -> RunnerSupervisor:  # type: ignore[override]
         app: ExoCelery = worker.app
-        return RunnerSupervisor(app.settings, app.store)
+        node = worker.hostname
+
+        def set_serving(model: str, serving: bool) -> None:
+            # Through remote control, so the consumer changes inside the worker's event loop.
+            change = app.control.add_consumer if serving else app.control.cancel_consumer
+            change(model_queue(model), destination=[node])
+            log.info(
+                "model queue %s",
+                "consumed" if serving else "no longer consumed",
+                extra={"queue": model_queue(model)},
+            )
+
+        supervisor = RunnerSupervisor(app.settings, app.store, on_serving=set_serving)
+
+        def on_shutting_down(how: str = "Warm", **_: Any) -> None:
+            if how == "Warm":
+                supervisor.drain(app.settings.worker_soft_shutdown_s)
+
+        # Runs inside Celery's signal handler: drain() only records a deadline.
+        worker_shutting_down.connect(on_shutting_down, weak=False)
+        return supervisor
 
 
 # Bootstep order among siblings is not guaranteed; making the pool require the supervisor puts
@@ -49,6 +71,13 @@ def _pool_child_init(**_: Any) -> None:
     # Own process group: a signal to the worker's group (honcho, Ctrl-C) must not kill in-flight
     # tasks; the worker's main process decides how they stop.
     os.setpgid(0, 0)
+
+
+@control_command(args=[("mode", str)], signature="<warm|cold>")
+def exo_shutdown(state: Any, mode: str = "warm") -> dict[str, str]:
+    """POST /v1/hosts/<host>/shutdown: the same path as SIGTERM (warm) or SIGQUIT (cold)."""
+    os.kill(os.getpid(), signal.SIGQUIT if mode == "cold" else signal.SIGTERM)
+    return {"ok": f"{mode} shutdown started"}
 
 
 def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]:
