@@ -68,18 +68,17 @@ class RunnerProgress:
 
     @classmethod
     def create(cls, context: Any) -> RunnerProgress:
-        return cls(context.Array("d", 3))
+        # No lock: a runner SIGKILLed while holding it would leave the supervisor blocked.
+        return cls(context.Array("d", 3, lock=False))
 
     def record(self, *, active: int, awaiting_first_token: int, progressed: bool) -> None:
-        with self.array.get_lock():
-            if progressed:
-                self.array[0] = time.monotonic()
-            self.array[1], self.array[2] = active, awaiting_first_token
+        if progressed:
+            self.array[0] = time.monotonic()
+        self.array[1], self.array[2] = active, awaiting_first_token
 
     def stall(self, prefill_timeout_s: float, decode_timeout_s: float) -> str | None:
         """Why the runner counts as hung, or None. Idle is never a stall."""
-        with self.array.get_lock():
-            last, active, awaiting = self.array[0], self.array[1], self.array[2]
+        last, active, awaiting = self.array[0], self.array[1], self.array[2]
         if active == 0:
             return None
         silent_s = time.monotonic() - last

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
-from typing import cast
 
 from config.settings import Settings, model_slug
 from exo_tasks import runner
@@ -40,6 +39,7 @@ TERM_WAIT_S = 5.0
 KILL_WAIT_S = 5.0
 WATCH_INTERVAL_S = 0.1
 CONTROL_POLL_S = 1.0
+REAP_WAIT_S = 1.0
 # A runner that stayed up this long had recovered: its next crash starts a new count.
 HEALTHY_UPTIME_S = 60.0
 _spawn = multiprocessing.get_context("spawn")
@@ -137,14 +137,12 @@ class RunnerSupervisor:
     def _watch(self) -> None:
         while not self._closing.is_set():
             with self._lock:
-                alive = {
-                    h.process.sentinel: h
-                    for h in self.handles.values()
-                    if h.process is not None and h.process.exitcode is None
-                }
-            ready = multiprocessing.connection.wait(list(alive), timeout=WATCH_INTERVAL_S)
-            for sentinel in ready:
-                self._on_exit(alive[cast(int, sentinel)])
+                watched = {h.process.sentinel: h for h in self.handles.values() if h.process}
+            ready = multiprocessing.connection.wait(list(watched), timeout=WATCH_INTERVAL_S)
+            # Also poll: a pool child forked during a spawn can hold the sentinel pipe open.
+            for sentinel, handle in watched.items():
+                if sentinel in ready or (handle.process and handle.process.exitcode is not None):
+                    self._on_exit(handle)
             self._restart_due()
             self._check_stalls()
             if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
@@ -171,7 +169,12 @@ class RunnerSupervisor:
     def _on_exit(self, handle: RunnerHandle) -> None:
         with self._lock:
             process = handle.process
-            if process is None or process.exitcode is None:
+            if process is None:
+                return
+            # The sentinel fires as the process closes its files, a moment before it can be
+            # reaped: wait for the exit code.
+            process.join(REAP_WAIT_S)
+            if process.exitcode is None:
                 return
             handle.process = None
             cause = exit_cause(process.exitcode)

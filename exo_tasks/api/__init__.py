@@ -9,7 +9,7 @@ from __future__ import annotations
 from flask import Flask
 
 from config.settings import Settings
-from exo_tasks.api import errors, health, jobs, runners
+from exo_tasks.api import errors, health, hosts, jobs, runners
 from exo_tasks.api.context import ApiContext
 from exo_tasks.celery_app import ExoCelery
 
@@ -20,6 +20,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = 1 << 20
     app.extensions["exo"] = ApiContext(settings=settings, celery=ExoCelery(settings))
     errors.init_app(app)
-    for blueprint in (health.bp, jobs.bp, runners.bp):
+    for blueprint in (health.bp, jobs.bp, runners.bp, hosts.bp):
         app.register_blueprint(blueprint)
     return app

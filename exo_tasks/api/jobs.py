@@ -29,7 +29,10 @@ SSE_BLOCK_MS = 1000
 KEEPALIVE = ": keepalive\n\n"
 
 
-def json_body() -> dict[str, Any]:
+def json_body(*, allow_empty: bool = False) -> dict[str, Any]:
+    """The request's JSON object; `allow_empty`: a missing body means `{}` (all defaults)."""
+    if allow_empty and not request.get_data():
+        return {}
     body = request.get_json(silent=True)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object", {"field": None})

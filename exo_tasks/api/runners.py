@@ -1,13 +1,31 @@
-"""Runner views: what each host's runners are doing and how they got there."""
+"""Runners: what each host's runners are doing, and stopping or starting one."""
 
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
 
+from config.celery import PRIORITY_LEVELS
+from config.settings import model_slug
 from exo_tasks.api.context import ctx
-from exo_tasks.errors import NotFound
+from exo_tasks.api.jobs import json_body
+from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK
+from exo_tasks.errors import Conflict, NotFound
+from exo_tasks.types import (
+    RunnerLoadBody,
+    RunnerShutdownBody,
+    RunnerState,
+    host_queue,
+    runner_id_for,
+)
 
 bp = Blueprint("runners", __name__, url_prefix="/v1/runners")
+
+
+def get_or_404(runner_id: str) -> RunnerState:
+    state = ctx().store.get_runner(runner_id)
+    if state is None:
+        raise NotFound(f"no runner '{runner_id}'", {"runner_id": runner_id})
+    return state
 
 
 @bp.get("")
@@ -17,9 +35,56 @@ def list_runners() -> Response:
 
 @bp.get("/<runner_id>")
 def get_runner(runner_id: str) -> Response:
-    store = ctx().store
-    state = store.get_runner(runner_id)
-    if state is None:
-        raise NotFound(f"no runner '{runner_id}'", {"runner_id": runner_id})
-    history = [change.model_dump(mode="json") for change in store.runner_history(runner_id)]
+    state = get_or_404(runner_id)
+    history = [c.model_dump(mode="json") for c in ctx().store.runner_history(runner_id)]
     return jsonify({**state.model_dump(mode="json"), "history": history})
+
+
+@bp.post("/<runner_id>/shutdown")
+def shutdown_runner(runner_id: str) -> tuple[Response, int]:
+    """Send `shutdown_runner` to the runner's host queue; its supervisor stops the runner."""
+    context = ctx()
+    body = RunnerShutdownBody.model_validate(json_body(allow_empty=True))
+    state = get_or_404(runner_id)
+    if state.status.is_final and state.next_restart_at is None:
+        raise Conflict(f"runner '{runner_id}' is already {state.status}", {"status": state.status})
+    timeout_s = body.timeout_s
+    if timeout_s is None:
+        timeout_s = context.settings.runner_shutdown_grace_s if body.mode == "warm" else 0.0
+    task = context.celery.send_task(
+        SHUTDOWN_RUNNER_TASK,
+        args=[runner_id, body.mode, timeout_s],
+        queue=host_queue(state.host),
+        priority=PRIORITY_LEVELS["high"],
+    )
+    reply = {"runner_id": runner_id, "task_id": task.id, "mode": body.mode, "timeout_s": timeout_s}
+    return jsonify(reply), 202
+
+
+@bp.post("")
+def load_runner() -> tuple[Response, int]:
+    """Send `load_runner` to a host that serves the model and has its runner stopped."""
+    context = ctx()
+    body = RunnerLoadBody.model_validate(json_body())
+    runners = [
+        r for r in context.store.list_runners() if r.model in (body.model, model_slug(body.model))
+    ]
+    if body.host is not None:
+        runners = [r for r in runners if r.id == runner_id_for(r.model, body.host)]
+    if not runners:
+        where = f" on host '{body.host}'" if body.host else ""
+        raise NotFound(f"no runner for model '{body.model}'{where}", {"field": "model"})
+    stopped = [r for r in runners if r.status.is_final and r.next_restart_at is None]
+    if not stopped:
+        raise Conflict(
+            f"runner '{runners[0].id}' is already {runners[0].status}",
+            {"status": runners[0].status},
+        )
+    state = stopped[0]
+    task = context.celery.send_task(
+        LOAD_RUNNER_TASK,
+        args=[state.id],
+        queue=host_queue(state.host),
+        priority=PRIORITY_LEVELS["high"],
+    )
+    return jsonify({"runner_id": state.id, "task_id": task.id, "host": state.host}), 202

@@ -1,0 +1,335 @@
+"""Every way of stopping work is bounded, says why it stopped, and loses nothing.
+
+Each test runs its own worker (its own host name, jobs pinned to it) on the session's Redis, and
+breaks it with real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from exo_tasks.store import Store
+from exo_tasks.types import RunnerState
+from tests.conftest import Stack, api_settings
+from tests.stack import Api, Processes, Worker, start_worker, wait_runner_ready, wait_until
+
+LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
+
+
+def runner_state(store: Store, host: str) -> RunnerState:
+    state = store.get_runner(f"tiny@{host}")
+    assert state is not None
+    return state
+
+
+def wait_runner(store: Store, host: str, status: str, timeout_s: float) -> RunnerState:
+    state: RunnerState = wait_until(
+        lambda: (s := runner_state(store, host)).status == status and s,
+        timeout_s,
+        f"runner tiny@{host} {status}",
+    )
+    return state
+
+
+def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
+    wait_until(
+        lambda: stack.store.streamed_text(job_id)[1] >= at_least, 10, f"tokens of job {job_id}"
+    )
+
+
+def new_worker(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, host: str, **settings: Any
+) -> Worker:
+    worker = start_worker(processes, stack.redis.url, host, [tiny_model], tmp_path, **settings)
+    wait_runner_ready(stack.store, worker)
+    return worker
+
+
+def test_idle_warm_shutdown_is_done_within_2s_and_load_starts_it_again(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-idle")
+    pid = runner_state(stack.store, "sd-idle").pid
+    assert pid is not None
+    started = time.monotonic()
+    response = stack.api.post("/v1/runners/tiny@sd-idle/shutdown", json={"mode": "warm"})
+    assert response.status_code == 202
+    state = wait_runner(stack.store, "sd-idle", "Shutdown", 2)
+    wait_until(
+        lambda: not psutil.pid_exists(pid),
+        2 - (time.monotonic() - started),
+        "the runner process to exit",
+    )
+    assert state.error is None
+    history = [c["status"] for c in stack.api.get("/v1/runners/tiny@sd-idle").json()["history"]]
+    assert history[-2:] == ["ShuttingDown", "Shutdown"]
+    again = stack.api.post("/v1/runners/tiny@sd-idle/shutdown", json={"mode": "warm"})
+    assert again.status_code == 409
+
+    assert (
+        stack.api.post("/v1/runners", json={"model": "tiny", "host": "sd-idle"}).status_code == 202
+    )
+    restarted = wait_runner(stack.store, "sd-idle", "Ready", 30)
+    assert restarted.pid != pid
+    job = stack.api.wait_job(stack.api.submit(prompt="back", max_tokens=4, host="sd-idle"))
+    assert job["status"] == "succeeded" and job["runner_id"] == "tiny@sd-idle"
+
+
+def test_warm_shutdown_finishes_short_jobs_and_cuts_long_ones_at_the_timeout(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-warm")
+    long_id = stack.api.submit(**LONG, host="sd-warm")
+    wait_tokens(stack, long_id)
+    short_id = stack.api.submit(prompt="short", max_tokens=20, host="sd-warm")
+    started = time.monotonic()
+    stack.api.post("/v1/runners/tiny@sd-warm/shutdown", json={"mode": "warm", "timeout_s": 1.5})
+    short = stack.api.wait_job(short_id, timeout_s=5)
+    long = stack.api.wait_job(long_id, timeout_s=5)
+    assert short["status"] == "succeeded"
+    assert long["status"] == "failed" and long["output"]["finish_reason"] == "shutdown"
+    assert 0 < len(long["output"]["text"]) < 4000
+    assert 1.4 < time.monotonic() - started < 3.5
+    assert wait_runner(stack.store, "sd-warm", "Shutdown", 3).error is None
+
+
+def test_hard_shutdown_ends_in_flight_jobs_at_once(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-hard")
+    job_id = stack.api.submit(**LONG, host="sd-hard")
+    wait_tokens(stack, job_id)
+    started = time.monotonic()
+    stack.api.post("/v1/runners/tiny@sd-hard/shutdown", json={"mode": "hard"})
+    job = stack.api.wait_job(job_id, timeout_s=2)
+    assert time.monotonic() - started < 1.5
+    assert job["status"] == "failed" and job["output"]["finish_reason"] == "shutdown"
+    assert job["output"]["text"] and "shut down" in job["error"]
+    wait_runner(stack.store, "sd-hard", "Shutdown", 2)
+
+
+def test_escalation_sigkills_a_runner_that_does_not_stop(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "sd-stuck")
+    pid = runner_state(stack.store, "sd-stuck").pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # deaf to the request and to SIGTERM; only SIGKILL works
+    started = time.monotonic()
+    stack.api.post("/v1/runners/tiny@sd-stuck/shutdown", json={"mode": "warm", "timeout_s": 0.5})
+    state = wait_runner(stack.store, "sd-stuck", "Failed", 12)
+    elapsed = time.monotonic() - started
+    assert state.error == "Terminated (signal 9 SIGKILL)"
+    assert 1.5 + 5 <= elapsed < 10  # grace (0.5 s + 1 s), SIGTERM, 5 s, SIGKILL
+    log = worker.log_text()
+    for step in ("stopping runner", "sending SIGTERM", "sending SIGKILL", "runner stopped"):
+        assert step in log
+    assert not psutil.pid_exists(pid)
+    time.sleep(1)
+    assert (
+        runner_state(stack.store, "sd-stuck").status == "Failed"
+    )  # stopped on purpose: no restart
+
+
+def test_a_killed_runner_fails_its_jobs_at_once_and_restarts(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-kill")
+    ids = [stack.api.submit(**LONG, host="sd-kill") for _ in range(3)]
+    for job_id in ids:
+        wait_tokens(stack, job_id)
+    stream_events: list[str] = []
+
+    def follow_stream() -> None:
+        response = stack.api.get(f"/v1/jobs/{ids[0]}/stream", stream=True)
+        stream_events.extend(
+            line for line in response.iter_lines(decode_unicode=True) if line.startswith("event: ")
+        )
+
+    reader = threading.Thread(target=follow_stream, daemon=True)
+    reader.start()
+    pid = runner_state(stack.store, "sd-kill").pid
+    assert pid is not None
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    state = wait_runner(stack.store, "sd-kill", "Failed", 1)
+    assert state.error == "Terminated (signal 9 SIGKILL)"
+    for job_id in ids:
+        job = stack.api.wait_job(job_id, timeout_s=2 - (time.monotonic() - killed))
+        assert job["status"] == "failed"
+        assert "tiny@sd-kill" in job["error"] and "SIGKILL" in job["error"]
+    reader.join(timeout=2 - (time.monotonic() - killed))
+    assert stream_events[-1] == "event: error"
+    restarted = wait_runner(stack.store, "sd-kill", "Ready", 30)
+    assert restarted.pid != pid and restarted.restarts == 1
+    job = stack.api.wait_job(stack.api.submit(prompt="again", max_tokens=4, host="sd-kill"))
+    assert job["status"] == "succeeded"
+
+
+def test_a_runner_that_keeps_dying_is_left_failed(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-flaky", runner_max_restarts=1)
+    first = runner_state(stack.store, "sd-flaky").pid
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    wait_runner(stack.store, "sd-flaky", "Failed", 1)
+    second = wait_runner(stack.store, "sd-flaky", "Ready", 30).pid
+    assert second is not None and second != first
+    os.kill(second, signal.SIGKILL)
+    state = wait_runner(stack.store, "sd-flaky", "Failed", 2)
+    assert state.error is not None and "gave up after 2 failures in a row" in state.error
+    assert state.next_restart_at is None
+    time.sleep(2)
+    assert runner_state(stack.store, "sd-flaky").status == "Failed"
+    job = stack.api.wait_job(stack.api.submit(prompt="x", max_tokens=2, host="sd-flaky"))
+    assert job["status"] == "failed" and "tiny@sd-flaky is Failed" in job["error"]
+
+
+def test_a_hung_runner_is_stopped_and_reported_stalled(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(
+        stack,
+        processes,
+        tiny_model,
+        tmp_path,
+        "sd-hung",
+        decode_timeout_s=1,
+        runner_shutdown_grace_s=0.5,
+    )
+    job_id = stack.api.submit(**LONG, host="sd-hung")
+    wait_tokens(stack, job_id)
+    pid = runner_state(stack.store, "sd-hung").pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    state = wait_runner(stack.store, "sd-hung", "Failed", 12)
+    assert state.error is not None and state.error.startswith("stalled in decode")
+    assert "Terminated (signal 9 SIGKILL)" in state.error
+    job = stack.api.wait_job(job_id, timeout_s=2)
+    assert job["status"] == "failed" and "stalled in decode" in job["error"]
+    assert wait_runner(stack.store, "sd-hung", "Ready", 30).pid != pid
+
+
+def test_soft_time_limit_keeps_partial_text_and_the_warm_model(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-soft")
+    before = runner_state(stack.store, "sd-soft")
+    started = time.monotonic()
+    job = stack.api.wait_job(stack.api.submit(**LONG, host="sd-soft", timeout_s=1))
+    assert 1 <= time.monotonic() - started < 2.5
+    assert job["status"] == "timed_out" and job["output"]["finish_reason"] == "time_limit"
+    assert 0 < job["usage"]["completion_tokens"] < 4000 and job["output"]["text"]
+    after = wait_runner(stack.store, "sd-soft", "Ready", 2)
+    assert after.pid == before.pid and after.model_loads == 1
+
+
+def test_hard_time_limit_replaces_the_pool_child_and_fails_the_job(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "sd-hardlimit")
+    api = Api(api_settings(stack.redis.url, [tiny_model], job_hard_grace_s=1))  # hard = soft + 1
+    try:
+        job_id = api.submit(**LONG, host="sd-hardlimit", timeout_s=1)
+        wait_tokens(stack, job_id)
+        pid = runner_state(stack.store, "sd-hardlimit").pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # the soft limit's cancel goes unanswered: the child waits
+        try:
+            job = api.wait_job(job_id, timeout_s=5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        api.close()
+    assert job["status"] == "failed"
+    assert "hard time limit exceeded (2.0s)" in job["error"]
+    assert "Hard time limit (2.0s) exceeded" in worker.log_text()
+    state = wait_until(
+        lambda: (s := runner_state(stack.store, "sd-hardlimit")).active_jobs == 0 and s,
+        5,
+        "the runner to drop the job",
+    )
+    assert state.pid == pid and state.status == "Ready"
+
+
+@pytest.mark.parametrize("how", ["sigterm", "api"])
+def test_warm_worker_shutdown_finishes_or_requeues_and_a_restart_completes_every_job(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, how: str
+) -> None:
+    host = f"sd-worker-{how}"
+    worker = new_worker(
+        stack, processes, tiny_model, tmp_path, host, worker_concurrency=2, worker_soft_shutdown_s=2
+    )
+    long_id = stack.api.submit(**LONG, host=host)
+    wait_tokens(stack, long_id)
+    short_id = stack.api.submit(prompt="short", max_tokens=200, ignore_eos=True, host=host)
+    queued = [stack.api.submit(prompt=f"q{i}", max_tokens=8, host=host) for i in range(3)]
+    started = time.monotonic()
+    if how == "sigterm":
+        worker.process.send_signal(signal.SIGTERM)
+    else:
+        assert (
+            stack.api.post(f"/v1/hosts/{host}/shutdown", json={"mode": "warm"}).status_code == 202
+        )
+    worker.process.wait(timeout=15)
+    assert time.monotonic() - started < 2 + 5  # the window, then the runner's quick stop
+    assert stack.api.get(f"/v1/jobs/{short_id}").json()["status"] == "succeeded"
+    long = stack.api.get(f"/v1/jobs/{long_id}").json()
+    assert long["status"] == "queued" and long["attempts"] == 1  # requeued, not lost
+    assert {stack.api.get(f"/v1/jobs/{j}").json()["status"] for j in queued} == {"queued"}
+
+    new_worker(stack, processes, tiny_model, tmp_path, host)
+    for job_id in [long_id, short_id, *queued]:
+        assert stack.api.wait_job(job_id, timeout_s=60)["status"] == "succeeded"
+    events = stack.store.read_events(long_id)
+    assert [e.event for _, e in events].count("done") == 1
+
+
+def test_cold_worker_shutdown_requeues_in_flight_jobs_never_succeeding_them(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "sd-cold")
+    job_id = stack.api.submit(**LONG, host="sd-cold")
+    wait_tokens(stack, job_id)
+    started = time.monotonic()
+    assert stack.api.post("/v1/hosts/sd-cold/shutdown", json={"mode": "cold"}).status_code == 202
+    worker.process.wait(timeout=15)
+    assert time.monotonic() - started < 5
+    assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-cold")
+    job = stack.api.wait_job(job_id, timeout_s=60)
+    assert job["status"] == "succeeded" and job["attempts"] >= 1
+    assert job["usage"]["completion_tokens"] == 4000
+    assert [e.event for _, e in stack.store.read_events(job_id)].count("done") == 1
+
+
+def test_unknown_host_shutdown_is_404(stack: Stack) -> None:
+    response = stack.api.post("/v1/hosts/nowhere/shutdown", json={"mode": "warm"})
+    assert response.status_code == 404 and "nowhere" in response.json()["error"]["message"]
+
+
+def test_runners_exit_when_their_worker_is_killed(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "sd-orphan")
+    pid = runner_state(stack.store, "sd-orphan").pid
+    assert pid is not None
+    children = psutil.Process(worker.pid).children(recursive=True)
+    worker.process.send_signal(signal.SIGKILL)
+    wait_until(
+        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
+        5,
+        "the orphaned runner to exit",
+    )
+    psutil.wait_procs(children, timeout=5)
+    assert not [c for c in children if c.is_running() and c.status() != "zombie"]
