@@ -47,8 +47,9 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
         supervisor = RunnerSupervisor(app.settings, app.store, on_serving=set_serving)
 
         def on_shutting_down(how: str = "Warm", **_: Any) -> None:
-            if how == "Warm":
-                supervisor.drain(app.settings.worker_soft_shutdown_s)
+            # Warm: in-flight jobs get the window. Cold (also a second Ctrl-C during a warm
+            # shutdown): the runners requeue their jobs now.
+            supervisor.drain(app.settings.worker_soft_shutdown_s if how == "Warm" else 0.0)
 
         # Runs inside Celery's signal handler: drain() only records a deadline.
         worker_shutting_down.connect(on_shutting_down, weak=False)

@@ -294,19 +294,28 @@ def test_warm_worker_shutdown_finishes_or_requeues_and_a_restart_completes_every
     assert [e.event for _, e in events].count("done") == 1
 
 
+@pytest.mark.parametrize("how", ["api", "second-ctrl-c"])
 def test_cold_worker_shutdown_requeues_in_flight_jobs_never_succeeding_them(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, how: str
 ) -> None:
-    worker = new_worker(stack, processes, tiny_model, tmp_path, "sd-cold")
-    job_id = stack.api.submit(**LONG, host="sd-cold")
+    host = f"sd-cold-{how}"
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    job_id = stack.api.submit(**LONG, host=host)
     wait_tokens(stack, job_id)
     started = time.monotonic()
-    assert stack.api.post("/v1/hosts/sd-cold/shutdown", json={"mode": "cold"}).status_code == 202
+    if how == "api":
+        response = stack.api.post(f"/v1/hosts/{host}/shutdown", json={"mode": "cold"})
+        assert response.status_code == 202
+    else:
+        worker.process.send_signal(signal.SIGINT)  # warm: the job keeps running
+        time.sleep(0.5)
+        assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
+        worker.process.send_signal(signal.SIGINT)  # cold
     worker.process.wait(timeout=15)
     assert time.monotonic() - started < 5
     assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
 
-    new_worker(stack, processes, tiny_model, tmp_path, "sd-cold")
+    new_worker(stack, processes, tiny_model, tmp_path, host)
     job = stack.api.wait_job(job_id, timeout_s=60)
     assert job["status"] == "succeeded" and job["attempts"] >= 1
     assert job["usage"]["completion_tokens"] == 4000
