@@ -10,6 +10,8 @@ from config.settings import Settings
 # an unprioritised message never overtakes a "high" one.
 PRIORITY_LEVELS = {"high": 0, "normal": 5, "low": 9}
 PRIORITY_STEPS = sorted(PRIORITY_LEVELS.values())
+# Redelivery must never start while the first delivery can still be running.
+VISIBILITY_MARGIN_S = 5.0
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -17,8 +19,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     transport_options = {
         # Never below the hard limit, or a long acks_late job is delivered twice (celery#5935).
         "visibility_timeout": max(
-            settings.broker_visibility_timeout_s, settings.job_hard_time_limit_s + 60
+            settings.broker_visibility_timeout_s,
+            settings.job_hard_time_limit_s + VISIBILITY_MARGIN_S,
         ),
+        # How often a worker looks for messages whose consumer died (kombu's default is
+        # every ~100 s: 10 s x a throttle of 10).
+        "unacked_restore_interval": settings.broker_restore_interval_s,
+        "unacked_restore_throttle": 1,
         "priority_steps": PRIORITY_STEPS,
         "queue_order_strategy": "priority",
     }

@@ -30,7 +30,8 @@ class Settings(BaseSettings):
     api_workers: int = 2
     flower_port: int = 5555
     flower_basic_auth: SecretStr | None = Field(None, description="user:password for Flower.")
-    api_token: SecretStr | None = None
+    api_token: SecretStr | None = Field(None, description="Set: every route but health needs it.")
+    api_url: str | None = Field(None, description="The API the CLI talks to; unset: this host's.")
     data_dir: Path = Path("var")
     hostname: str = Field(default_factory=socket.gethostname)
     models: str = Field("", description="Comma-separated model paths or hub ids; '' = tiny.")
@@ -51,13 +52,20 @@ class Settings(BaseSettings):
     # Jobs and the broker.
     max_tokens: int = 4096
     max_queued_jobs: int = 1000
+    max_prompt_chars: int = 100_000
+    max_body_bytes: int = 1 << 20
     broker_visibility_timeout_s: float = 3600.0
+    broker_restore_interval_s: float = 10.0
     result_expires_s: int = 24 * 3600
     log_level: str = "INFO"
 
     @property
     def effective_redis_url(self) -> str:
         return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def effective_api_url(self) -> str:
+        return (self.api_url or f"http://{self.api_host}:{self.api_port}").rstrip("/")
 
     @property
     def tiny_model_dir(self) -> Path:

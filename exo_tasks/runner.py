@@ -8,6 +8,7 @@ It exits when its parent (the worker's main process) dies.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -19,10 +20,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
+import redis
 from pydantic import BaseModel
 
+from exo_tasks import metrics
 from exo_tasks.logs import configure_logging
 from exo_tasks.store import Store
 from exo_tasks.types import (
@@ -41,6 +45,7 @@ from exo_tasks.types import (
 
 log = logging.getLogger("exo_tasks.runner")
 INBOX_POLL_S = 1.0
+REDIS_RETRY_S = 0.5
 IDLE_WAIT_S = 0.5
 
 
@@ -95,6 +100,7 @@ class ActiveJob:
     deadline: float
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
+    last_token_at: datetime | None = None
 
 
 def main(spec_json: str, progress_array: Any) -> None:
@@ -145,6 +151,10 @@ class Runner:
         self.stop_deadline = 0.0
         self.serving = False
         self.terminate_requested = False
+        self.unsent_tokens: list[tuple[str, TokenEvent]] = []
+        self.observations = metrics.Observations()  # sent with the tokens
+        self.unsent_endings: list[JobRecord] = []
+        self.state_unpublished = False
 
     # --- status ---
 
@@ -156,7 +166,11 @@ class Runner:
         if hasattr(self, "engine"):
             update["largest_batch"] = self.engine.largest_batch
         self.state = self.state.model_copy(update=update)
-        self.store.publish_runner(self.state, status_changed=changed)
+        try:
+            self.store.publish_runner(self.state, status_changed=changed)
+            self.state_unpublished = False
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.state_unpublished = True  # published again once Redis is back
         if changed:
             log.info("runner status %s", self.state.status, extra={"runner_status": status})
 
@@ -178,6 +192,8 @@ class Runner:
         except Exception as exc:
             log.exception("batching loop crashed")
             self._end_all("failed", None, f"runner {self.spec.runner_id} crashed: {exc}")
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                self._flush()
             self.publish(RunnerStatus.FAILED, error=f"runner crashed: {exc}")
             return 1
         self.unload()
@@ -233,15 +249,36 @@ class Runner:
 
     def serve(self) -> None:
         while True:
-            self._take_commands(block=not self.active)
-            if self.terminate_requested:
-                requeue = self.stop_request is not None and self.stop_request.requeue
-                self._begin_stop(StopRunner(mode="hard", requeue=requeue))
-            self._drop_expired()
-            if self.stop_request is not None and self._stop_finished():
-                return
-            if self.active:
-                self._step()
+            try:
+                # Deliver what is owed to Redis before generating more: after an outage the
+                # streams stay complete and in order.
+                self._flush()
+                self._take_commands(block=not self.active)
+                if self.terminate_requested:
+                    requeue = self.stop_request is not None and self.stop_request.requeue
+                    self._begin_stop(StopRunner(mode="hard", requeue=requeue))
+                self._drop_expired()
+                if self.stop_request is not None and self._stop_finished():
+                    self._flush()
+                    return
+                if self.active:
+                    self._step()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis unreachable; runner waits for it", extra={"error": str(exc)})
+                time.sleep(REDIS_RETRY_S)
+
+    def _flush(self) -> None:
+        """Send the tokens and job endings not yet in Redis (kept here while it is down)."""
+        if self.unsent_tokens or self.observations:
+            self.store.append_tokens(self.unsent_tokens, self.observations)
+            self.unsent_tokens = []
+        while self.unsent_endings:
+            final = self.unsent_endings[0]
+            self.store.finish_job(final)
+            self.store.release_job(self.spec.runner_id, final.id)
+            self.unsent_endings.pop(0)
+        if self.state_unpublished:
+            self.publish()
 
     def _take_commands(self, *, block: bool) -> None:
         try:
@@ -251,7 +288,11 @@ class Runner:
         except queue.Empty:
             return
         while True:
-            self._handle(command)
+            try:
+                self._handle(command)
+            except (redis.ConnectionError, redis.TimeoutError):
+                self.commands.put(command)  # handled again once Redis is back
+                raise
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
@@ -300,6 +341,7 @@ class Runner:
             self.store.fail_job(job.id, str(exc))
             return
         self.active[job.id] = ActiveJob(started, command.deadline)
+        self._observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
         self._record_progress(progressed=True)
         log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt_tokens)})
         self.publish(RunnerStatus.RUNNING)
@@ -315,17 +357,25 @@ class Runner:
                 continue
             if job.record.first_token_at is None:
                 job.record.first_token_at = now
+                self._observe(metrics.TIME_TO_FIRST_TOKEN, now - job.record.created_at)
+            elif job.last_token_at is not None and delta.completion_tokens > job.completion_tokens:
+                new = delta.completion_tokens - job.completion_tokens
+                self._observe(metrics.INTER_TOKEN_LATENCY, (now - job.last_token_at) / new, new)
+            job.last_token_at = now
             job.completion_tokens = delta.completion_tokens
             if delta.text:
                 job.text.append(delta.text)
                 tokens.append((delta.job_id, TokenEvent(index=len(job.text) - 1, text=delta.text)))
             if delta.finish_reason is not None:
                 finished.append((delta.job_id, delta.finish_reason))
-        if tokens:
-            self.store.append_tokens(tokens)
+        self.unsent_tokens.extend(tokens)
         for job_id, reason in finished:
             self._end(job_id, "succeeded", reason, in_engine=False)
         self._record_progress(progressed=bool(deltas))
+        self._flush()
+
+    def _observe(self, metric: metrics.Metric, elapsed: timedelta, count: int = 1) -> None:
+        self.observations.observe(metric, elapsed.total_seconds(), count, model=self.spec.model)
 
     def _record_progress(self, *, progressed: bool) -> None:
         awaiting = sum(1 for job in self.active.values() if job.record.first_token_at is None)
@@ -355,8 +405,7 @@ class Runner:
             completion_tokens=job.completion_tokens,
             error=error,
         )
-        self.store.finish_job(final)
-        self.store.release_job(self.spec.runner_id, job_id)
+        self.unsent_endings.append(final)
         log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
         self._after_job_left()
 

@@ -9,9 +9,11 @@ leaked".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import threading
 import time
@@ -20,10 +22,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
+import redis
+
 from config.settings import Settings, model_slug
-from exo_tasks import runner
+from exo_tasks import metrics, runner
 from exo_tasks.store import Store
 from exo_tasks.types import (
+    HostState,
     RunnerState,
     RunnerStatus,
     StartRunnerRequest,
@@ -42,6 +47,9 @@ CONTROL_POLL_S = 1.0
 REAP_WAIT_S = 1.0
 # A runner that stayed up this long had recovered: its next crash starts a new count.
 HEALTHY_UPTIME_S = 60.0
+# The host's heartbeat: the API routes jobs only to hosts whose heartbeat has not expired.
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TTL_S = 10.0
 _spawn = multiprocessing.get_context("spawn")
 
 
@@ -88,6 +96,7 @@ class RunnerSupervisor:
         self.handles: dict[str, RunnerHandle] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
+        self._heartbeat_lock = threading.Lock()
         self._drain_deadline: float | None = None
         for model_path in settings.served_models:
             slug = model_slug(model_path)
@@ -107,8 +116,18 @@ class RunnerSupervisor:
     # --- starting and watching ---
 
     def start(self) -> None:
+        host = HostState(
+            name=self.host,
+            pid=os.getpid(),
+            models=[h.spec.model for h in self.handles.values()],
+            started_at=utcnow(),
+        )
+        self._beat(host)
         for handle in self.handles.values():
             self._spawn(handle)
+        threading.Thread(
+            target=self._heartbeat, args=(host,), name="heartbeat", daemon=True
+        ).start()
         threading.Thread(target=self._watch, name="runner-watch", daemon=True).start()
         threading.Thread(target=self._serve_requests, name="supervisor-inbox", daemon=True).start()
 
@@ -134,20 +153,41 @@ class RunnerSupervisor:
         handle.stop = handle.stall = handle.restart_at = None
         log.info("runner started", extra={"runner": spec.runner_id, "pid": process.pid})
 
+    def _heartbeat(self, host: HostState) -> None:
+        while not self._closing.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self._beat(host)
+            except redis.RedisError as exc:
+                log.warning("heartbeat not sent", extra={"error": str(exc)})
+
+    def _beat(self, host: HostState) -> None:
+        with self._heartbeat_lock:  # never after the stop removed the host
+            if not self._closing.is_set():
+                self.store.publish_host(
+                    host.model_copy(update={"updated_at": utcnow()}), HEARTBEAT_TTL_S
+                )
+
     def _watch(self) -> None:
         while not self._closing.is_set():
-            with self._lock:
-                watched = {h.process.sentinel: h for h in self.handles.values() if h.process}
-            ready = multiprocessing.connection.wait(list(watched), timeout=WATCH_INTERVAL_S)
-            # Also poll: a pool child forked during a spawn can hold the sentinel pipe open.
-            for sentinel, handle in watched.items():
-                if sentinel in ready or (handle.process and handle.process.exitcode is not None):
-                    self._on_exit(handle)
-            self._restart_due()
-            self._check_stalls()
-            if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
-                self._drain_deadline = None
-                self._in_thread(self._stop_all, "hard")
+            try:
+                self._watch_once()
+            except Exception:  # Redis down, say: the watcher must outlive it
+                log.exception("runner watch failed; retrying")
+                time.sleep(WATCH_INTERVAL_S)
+
+    def _watch_once(self) -> None:
+        with self._lock:
+            watched = {h.process.sentinel: h for h in self.handles.values() if h.process}
+        ready = multiprocessing.connection.wait(list(watched), timeout=WATCH_INTERVAL_S)
+        # Also poll: a pool child forked during a spawn can hold the sentinel pipe open.
+        for sentinel, handle in watched.items():
+            if sentinel in ready or (handle.process and handle.process.exitcode is not None):
+                self._on_exit(handle)
+        self._restart_due()
+        self._check_stalls()
+        if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+            self._drain_deadline = None
+            self._in_thread(self._stop_all, "hard")
 
     def _check_stalls(self) -> None:
         for runner_id, handle in list(self.handles.items()):
@@ -176,12 +216,13 @@ class RunnerSupervisor:
             process.join(REAP_WAIT_S)
             if process.exitcode is None:
                 return
-            handle.process = None
             cause = exit_cause(process.exitcode)
             if handle.stop is not None and handle.stall is None:
                 self._record_stop(handle, handle.stop, cause)
             else:
                 self._record_failure(handle, f"{handle.stall}; {cause}" if handle.stall else cause)
+            # Only once recorded: if Redis was down, the next watch round records it again.
+            handle.process = None
 
     def _record_failure(self, handle: RunnerHandle, cause: str) -> None:
         """A crash or a hang: fail its jobs at once, then restart it with backoff (bounded)."""
@@ -227,6 +268,9 @@ class RunnerSupervisor:
                 if handle.restart_at is not None and time.monotonic() >= handle.restart_at:
                     handle.restarts += 1
                     self._spawn(handle)
+                    restart = metrics.Observations()
+                    restart.inc(metrics.RUNNER_RESTARTS, model=handle.spec.model, host=self.host)
+                    self.store.write_metrics(restart)
 
     def _publish(
         self,
@@ -348,6 +392,8 @@ class RunnerSupervisor:
             thread.join()
         if warm or not any(h.process for h in self.handles.values()):
             self._closing.set()
+            with self._heartbeat_lock, contextlib.suppress(redis.RedisError):
+                self.store.remove_host(self.host)  # else it expires with its heartbeat
 
     @staticmethod
     def _in_thread(target: Callable[..., object], *args: object) -> threading.Thread:

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any, cast
 
+import redis
 from billiard.einfo import ExceptionInfo
 from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
@@ -39,6 +40,7 @@ log = logging.getLogger("exo_tasks.tasks")
 WAIT_SLICE_MS = 500
 # After a soft time limit the runner ends the job at its next step; this bounds our wait.
 CANCEL_ACK_S = 3.0
+REDIS_RETRY_S = 0.5
 
 
 class InferenceTask(Task):  # type: ignore[type-arg]
@@ -63,7 +65,10 @@ def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
     """Run one job on this host's runner for its model; the job record holds the result."""
     app = _app(self)
     store, settings = app.store, app.settings
-    job = store.get_job(job_id)
+    try:
+        job = store.get_job(job_id)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
     if job is None:
         log.warning("job unknown or expired; skipped", extra={"job_id": job_id})
         return {"job_id": job_id, "status": "unknown"}
@@ -103,7 +108,10 @@ def _await_runner(store: Store, runner_id: str, timeout_s: float, *, pinned: boo
     run it), unless it is pinned to this host."""
     deadline = time.monotonic() + timeout_s
     while True:
-        state = store.get_runner(runner_id)
+        try:
+            state = store.get_runner(runner_id)
+        except (redis.ConnectionError, redis.TimeoutError):
+            state = None  # Redis is restarting: keep waiting, within the same bound
         if state is not None and state.status.accepts_jobs:
             return state
         if state is not None and state.status == RunnerStatus.SHUTDOWN and not pinned:
@@ -122,20 +130,23 @@ def _follow(
     never waits on a dead runner. A job its runner put back on the queue is rejected with
     requeue, so Celery delivers it again (after a restart, or to another host)."""
     while True:
-        for event_id, event in store.read_events(job_id, after, block_ms=WAIT_SLICE_MS):
-            after = event_id
-            if isinstance(event, DoneEvent):
-                return event.job
-            if isinstance(event, RequeuedEvent):
-                raise Reject("runner stopped before the job finished; requeued", requeue=True)
-        current = store.get_runner(runner.id)
-        if current is None or current.pid != runner.pid or current.status.is_final:
-            store.fail_job(job_id, f"runner {runner.id} stopped while running the job")
-        if until is not None and time.monotonic() > until:
-            _time_out(store, job_id)
-        job = store.get_job(job_id)
-        if job is not None and job.is_terminal:
-            return job
+        try:
+            for event_id, event in store.read_events(job_id, after, block_ms=WAIT_SLICE_MS):
+                after = event_id
+                if isinstance(event, DoneEvent):
+                    return event.job
+                if isinstance(event, RequeuedEvent):
+                    raise Reject("runner stopped before the job finished; requeued", requeue=True)
+            current = store.get_runner(runner.id)
+            if current is None or current.pid != runner.pid or current.status.is_final:
+                store.fail_job(job_id, f"runner {runner.id} stopped while running the job")
+            if until is not None and time.monotonic() > until:
+                _time_out(store, job_id)
+            job = store.get_job(job_id)
+            if job is not None and job.is_terminal:
+                return job
+        except (redis.ConnectionError, redis.TimeoutError):
+            time.sleep(REDIS_RETRY_S)  # Redis is restarting; the runner keeps what it owes
 
 
 def _time_out(store: Store, job_id: str) -> None:

@@ -27,6 +27,12 @@ def test_celery_is_set_up_for_long_jobs() -> None:
     assert conf["worker_send_task_events"] and conf["task_send_sent_event"]
     # Never below the hard limit, or a long job is delivered twice.
     assert conf["broker_transport_options"]["visibility_timeout"] > 7100
+    assert (
+        celery_config(
+            settings(broker_visibility_timeout_s=1, job_soft_time_limit_s=3, job_hard_grace_s=1)
+        )["broker_transport_options"]["visibility_timeout"]
+        > 4
+    )
 
 
 def test_redis_url_defaults_to_the_embedded_port() -> None:
