@@ -108,8 +108,9 @@ class RedisServer:
     process: subprocess.Popen[bytes]
 
 
-def start_redis(processes: Processes, data_dir: Path) -> RedisServer:
-    port = free_port()
+def start_redis(processes: Processes, data_dir: Path, port: int | None = None) -> RedisServer:
+    """A real redis-server as the stack runs it; again on `port` and `data_dir` to restart it."""
+    port = port or free_port()
     argv = redis_server_argv(port, data_dir)
     proc = processes.start(argv, dict(os.environ), data_dir / "redis.log")
     url = f"redis://127.0.0.1:{port}/0"

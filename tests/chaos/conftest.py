@@ -1,0 +1,59 @@
+"""The chaos suite's report: each case records what it broke and what it observed, and the
+session writes the figures to docs/reliability.md."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+REPORT = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+
+
+@dataclass
+class Case:
+    name: str
+    jobs: int
+    faults: str
+    lost: int
+    bounds: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    cases: list[Case] = field(default_factory=list)
+
+    def add(self, case: Case) -> None:
+        self.cases.append(case)
+
+    def markdown(self) -> str:
+        rows = "\n".join(
+            f"| {c.name} | {c.jobs} | {c.faults} | {c.lost} | {'; '.join(c.bounds)} |"
+            for c in self.cases
+        )
+        total = sum(c.jobs for c in self.cases)
+        lost = sum(c.lost for c in self.cases)
+        when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        return (
+            "# Reliability: what the chaos suite broke, and what it observed\n\n"
+            "Written by `tests/chaos/` on every `make test` "
+            f"(last run {when}, {platform.system()} {platform.machine()}, "
+            f"{len(self.cases)} cases). Every case runs real redis-server, worker, runner and "
+            "API processes and breaks them with real signals.\n\n"
+            f"**Jobs accepted: {total}. Lost: {lost}.**\n\n"
+            "| case | jobs | faults injected | lost | bounds observed |\n"
+            "| --- | --- | --- | --- | --- |\n"
+            f"{rows}\n"
+        )
+
+
+@pytest.fixture(scope="session")
+def reliability() -> Iterator[Report]:
+    report = Report()
+    yield report
+    if report.cases:
+        REPORT.write_text(report.markdown())

@@ -1,0 +1,351 @@
+"""Break the running system on purpose and prove that nothing accepted is lost.
+
+Each case has its own redis-server, workers and API (short visibility timeout and restore
+sweep, so redelivery happens within the test), and records its figures for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+from exo_tasks.store import Store
+from exo_tasks.types import TERMINAL_JOB_STATUSES
+from tests.chaos.conftest import Case, Report
+from tests.conftest import api_settings
+from tests.stack import (
+    Api,
+    Processes,
+    RedisServer,
+    Worker,
+    start_redis,
+    start_worker,
+    wait_runner_ready,
+    wait_until,
+)
+
+# Short limits so a dead worker's messages come back within seconds: visibility = hard + 5 s.
+LIMITS = {"job_soft_time_limit_s": 4, "job_hard_grace_s": 1}
+WORKER_SETTINGS = {**LIMITS, "broker_visibility_timeout_s": 1, "broker_restore_interval_s": 1}
+
+
+@dataclass
+class Chaos:
+    processes: Processes
+    redis: RedisServer
+    store: Store
+    api: Api
+    model: Path
+    data_dir: Path
+
+    def worker(self, host: str, **settings: Any) -> Worker:
+        worker = start_worker(
+            self.processes,
+            self.redis.url,
+            host,
+            [self.model],
+            self.data_dir,
+            **{**WORKER_SETTINGS, **settings},
+        )
+        wait_runner_ready(self.store, worker)
+        return worker
+
+    def outcome(self, job_ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+        """Every job's final record, once all are terminal."""
+
+        def finished() -> dict[str, dict[str, Any]] | None:
+            jobs = {j: self.api.get(f"/v1/jobs/{j}").json() for j in job_ids}
+            active = [j for j in jobs.values() if j["status"] in ("queued", "running")]
+            return None if active else jobs
+
+        result: dict[str, dict[str, Any]] = wait_until(
+            finished, timeout_s, "every job to end", interval_s=0.5
+        )
+        return result
+
+    @staticmethod
+    def lost(jobs: dict[str, dict[str, Any]]) -> int:
+        """Accepted jobs that are unknown or did not end (0 whenever `outcome` returned)."""
+        return sum(1 for j in jobs.values() if j.get("status") not in TERMINAL_JOB_STATUSES)
+
+    def done_events(self, job_id: str) -> int:
+        return [e.event for _, e in self.store.read_events(job_id)].count("done")
+
+
+@pytest.fixture
+def chaos(processes: Processes, tiny_model: Path, tmp_path: Path) -> Iterator[Chaos]:
+    redis = start_redis(processes, tmp_path / "redis")
+    api = Api(api_settings(redis.url, [tiny_model], **LIMITS))
+    yield Chaos(processes, redis, Store.from_url(redis.url), api, tiny_model, tmp_path)
+    api.close()
+
+
+def submit_many(api: Api, count: int, **body: Any) -> list[str]:
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda i: api.submit(prompt=f"job {i}", **body), range(count)))
+
+
+def test_kill_9_of_a_worker_with_50_jobs_in_flight_loses_none(
+    chaos: Chaos, reliability: Report
+) -> None:
+    victim = chaos.worker("chaos-a")
+    chaos.worker("chaos-b")
+    ids = submit_many(chaos.api, 50, max_tokens=48, ignore_eos=True)
+    wait_until(
+        lambda: (
+            sum(
+                1
+                for j in ids
+                if (job := chaos.store.get_job(j)) is not None
+                and job.runner_id == "tiny@chaos-a"
+                and job.status == "running"
+            )
+            >= 5
+        ),
+        20,
+        "jobs running on the victim",
+    )
+    runner_pid = chaos.store.get_runner("tiny@chaos-a").pid  # type: ignore[union-attr]
+    killed = time.monotonic()
+    victim.process.send_signal(signal.SIGKILL)
+    wait_until(
+        lambda: (
+            not psutil.pid_exists(runner_pid)
+            or psutil.Process(runner_pid).status() == psutil.STATUS_ZOMBIE
+        ),
+        5,
+        "the victim's runner to exit",
+    )
+    runner_gone_s = time.monotonic() - killed
+    jobs = chaos.outcome(ids, timeout_s=90)
+    drained_s = time.monotonic() - killed
+    statuses = [j["status"] for j in jobs.values()]
+    assert statuses.count("succeeded") == 50, statuses
+    assert all(chaos.done_events(j) == 1 for j in ids)
+    redelivered = sum(1 for j in jobs.values() if j["attempts"] > 0)
+    reliability.add(
+        Case(
+            "kill -9 one of two workers' main process",
+            50,
+            "1 SIGKILL (worker main)",
+            chaos.lost(jobs),
+            [
+                f"runner gone {runner_gone_s:.1f}s (bound 5s)",
+                f"{redelivered} jobs redelivered",
+                f"all ended {drained_s:.0f}s after the kill",
+            ],
+        )
+    )
+
+
+def test_sigterm_with_100_jobs_queued_then_restart_completes_all(
+    chaos: Chaos, reliability: Report
+) -> None:
+    worker = chaos.worker("chaos-term", worker_concurrency=2)
+    ids = submit_many(chaos.api, 100, max_tokens=8)
+    started = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    worker.process.wait(timeout=40)
+    stopped_s = time.monotonic() - started
+    queued = [j for j in ids if (job := chaos.store.get_job(j)) and job.status == "queued"]
+    assert len(queued) > 50  # most never started: they waited in Redis
+    chaos.worker("chaos-term", worker_concurrency=8)
+    jobs = chaos.outcome(ids, timeout_s=90)
+    assert [j["status"] for j in jobs.values()].count("succeeded") == 100
+    assert all(chaos.done_events(j) == 1 for j in ids)
+    reliability.add(
+        Case(
+            "SIGTERM a worker with 100 jobs queued, start it again",
+            100,
+            "1 SIGTERM (warm)",
+            chaos.lost(jobs),
+            [f"worker stopped in {stopped_s:.1f}s", "no job with two results"],
+        )
+    )
+
+
+def test_redis_killed_and_restarted_while_jobs_run(chaos: Chaos, reliability: Report) -> None:
+    chaos.worker("chaos-redis", worker_concurrency=4)
+    ids = submit_many(chaos.api, 12, max_tokens=400, ignore_eos=True)
+    wait_until(
+        lambda: any((j := chaos.store.get_job(i)) and j.status == "running" for i in ids),
+        10,
+        "a running job",
+    )
+    chaos.redis.process.send_signal(signal.SIGKILL)
+    chaos.redis.process.wait(timeout=5)
+    slowest = 0.0
+    for method, path, body in [
+        ("post", "/v1/jobs", {"prompt": "x"}),
+        ("get", f"/v1/jobs/{ids[0]}", None),
+        ("get", "/v1/runners", None),
+        ("get", "/readyz", None),
+    ]:
+        started = time.monotonic()
+        response = getattr(chaos.api.http, method)(chaos.api.url + path, json=body, timeout=5)
+        slowest = max(slowest, time.monotonic() - started)
+        assert response.status_code == 503, (path, response.text)
+        if path != "/readyz":
+            assert response.json()["error"]["type"] == "unavailable"
+    assert slowest < 1.0
+    assert chaos.api.get("/healthz").status_code == 200
+    time.sleep(2)
+    restart_redis = start_redis(chaos.processes, chaos.data_dir / "redis", chaos.redis.port)
+    chaos.redis = restart_redis
+    jobs = chaos.outcome(ids, timeout_s=120)
+    for job in jobs.values():
+        assert job["status"] == "succeeded" or (job["status"] == "failed" and job["error"])
+    after = chaos.api.wait_job(chaos.api.submit(prompt="after", max_tokens=8), timeout_s=60)
+    assert after["status"] == "succeeded"
+    succeeded = sum(1 for j in jobs.values() if j["status"] == "succeeded")
+    reliability.add(
+        Case(
+            "Redis SIGKILLed for 2 s and restarted (AOF)",
+            len(ids),
+            "1 SIGKILL (redis-server)",
+            chaos.lost(jobs),
+            [
+                f"API answered 503 within {slowest * 1000:.0f}ms (bound 1s)",
+                f"{succeeded}/{len(ids)} succeeded (any other would have to fail with an error)",
+                "worker, runner and API reconnected by themselves",
+            ],
+        )
+    )
+
+
+def test_streaming_clients_get_an_error_when_the_runner_dies(
+    chaos: Chaos, reliability: Report
+) -> None:
+    chaos.worker("chaos-stream")
+    ids = submit_many(chaos.api, 5, max_tokens=4000, ignore_eos=True, host="chaos-stream")
+    wait_until(lambda: all(chaos.store.streamed_text(i)[1] > 0 for i in ids), 10, "tokens")
+    last_events: dict[str, str] = {}
+    ended_at: dict[str, float] = {}
+
+    def follow(job_id: str) -> None:
+        with requests.get(
+            f"{chaos.api.url}/v1/jobs/{job_id}/stream", stream=True, timeout=30
+        ) as response:
+            for line in response.iter_lines(decode_unicode=True):
+                if line.startswith("event: "):
+                    last_events[job_id] = line.removeprefix("event: ")
+        ended_at[job_id] = time.monotonic()
+
+    readers = [threading.Thread(target=follow, args=(i,), daemon=True) for i in ids]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.3)
+    pid = chaos.store.get_runner("tiny@chaos-stream").pid  # type: ignore[union-attr]
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+    for reader in readers:
+        reader.join(timeout=3)
+    assert all(last_events.get(i) == "error" for i in ids), last_events
+    slowest = max(ended_at[i] - killed for i in ids)
+    assert slowest < 2
+    wait_until(
+        lambda: (
+            (s := chaos.store.get_runner("tiny@chaos-stream"))
+            and s.pid != pid
+            and s.status == "Ready"
+        ),
+        30,
+        "the runner's restart",
+    )
+    after = chaos.api.wait_job(chaos.api.submit(prompt="after", max_tokens=8, host="chaos-stream"))
+    assert after["status"] == "succeeded"
+    reliability.add(
+        Case(
+            "runner SIGKILLed under 5 streaming clients",
+            len(ids) + 1,
+            "1 SIGKILL (runner)",
+            0,
+            [
+                f"every stream got `event: error` within {slowest:.2f}s (bound 2s)",
+                "job after the restart succeeded",
+            ],
+        )
+    )
+
+
+def test_a_pickled_message_is_refused_and_logged(chaos: Chaos, reliability: Report) -> None:
+    import pickle
+
+    from kombu import Connection
+
+    worker = chaos.worker("chaos-pickle")
+    payload = pickle.dumps(((), {}, {}))
+    with Connection(chaos.redis.url) as connection:
+        producer = connection.Producer()
+        producer.publish(
+            payload,
+            routing_key="exo.host.chaos-pickle",
+            exchange="exo.host.chaos-pickle",
+            content_type="application/x-python-serialize",
+            content_encoding="binary",
+            headers={"task": "exo.inference", "id": "pickled", "lang": "py"},
+        )
+    wait_until(
+        lambda: (
+            "ContentDisallowed" in worker.log_text()
+            or "Refusing to deserialize" in worker.log_text()
+        ),
+        10,
+        "the refusal in the log",
+    )
+    ok = chaos.api.wait_job(chaos.api.submit(prompt="fine", max_tokens=4, host="chaos-pickle"))
+    assert ok["status"] == "succeeded"
+    reliability.add(
+        Case(
+            "a pickled message on a queue",
+            1,
+            "1 pickle payload",
+            0,
+            ["refused and logged; the worker kept serving"],
+        )
+    )
+
+
+def test_secrets_never_reach_logs_or_error_bodies(
+    processes: Processes, tiny_model: Path, tmp_path: Path, reliability: Report
+) -> None:
+    secret = "s3cret-redis-pass-4711"
+    redis = start_redis(processes, tmp_path / "redis")
+    Store.from_url(redis.url).redis.config_set("requirepass", secret)
+    url = f"redis://:{secret}@127.0.0.1:{redis.port}/0"
+    worker = start_worker(processes, url, "chaos-secret", [tiny_model], tmp_path)
+    store = Store.from_url(url)
+    wait_runner_ready(store, worker)
+    api = Api(api_settings(url, [tiny_model]))
+    try:
+        job = api.wait_job(api.submit(prompt="hi", max_tokens=4))
+        assert job["status"] == "succeeded"
+        bodies = [
+            api.post("/v1/jobs", json={"prompt": 1}).text,
+            api.get("/v1/jobs/none").text,
+            api.post("/v1/jobs", data="{").text,
+        ]
+    finally:
+        api.close()
+    for text in [worker.log_text(), (tmp_path / "redis" / "redis.log").read_text(), *bodies]:
+        assert secret not in text
+    reliability.add(
+        Case(
+            "Redis password in the URL",
+            1,
+            "grep of logs and error bodies",
+            0,
+            ["the password appears in no log line and no error body"],
+        )
+    )
