@@ -1,4 +1,5 @@
-"""The `exo-tasks` command: run the stack or one of its processes, make models, submit jobs."""
+"""The `exo-tasks` command: run the stack or one of its processes, make models, and submit and
+manage jobs, runners and hosts through the API."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from config.settings import Settings
+from exo_tasks.client import ApiClient
 from exo_tasks.errors import ExoError
 from exo_tasks.logs import configure_logging
 
@@ -114,32 +118,107 @@ def cmd_model_create(_: Settings, args: argparse.Namespace) -> None:
     print(f"wrote the {args.preset} model to {path}")
 
 
-def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
-    import requests
+# --- commands against the API (EXO_API_URL, with EXO_API_TOKEN) ---
 
-    base = os.environ.get("EXO_API_URL", f"http://{settings.api_host}:{settings.api_port}")
-    body: dict[str, object] = {"prompt": args.prompt, "max_tokens": args.max_tokens}
+
+def _client(settings: Settings) -> ApiClient:
+    token = settings.api_token.get_secret_value() if settings.api_token else None
+    return ApiClient(settings.effective_api_url, token)
+
+
+def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
+    """Stream the tokens to stdout; with --quiet, a progress bar on stderr, then the text."""
+    client = _client(settings)
+    body: dict[str, Any] = {"prompt": args.prompt, "max_tokens": args.max_tokens}
     if args.model:
         body["model"] = args.model
-    created = requests.post(f"{base}/v1/jobs", json=body, timeout=10)
-    if created.status_code != 202:
-        raise ExoError(f"{created.status_code}: {created.text}")
-    job_id = created.json()["id"]
+    job_id = client.call("POST", "/v1/jobs", body)["id"]
     print(f"job {job_id}", file=sys.stderr)
-    with requests.get(f"{base}/v1/jobs/{job_id}/stream", stream=True, timeout=None) as stream:
-        event = ""
-        for line in stream.iter_lines(decode_unicode=True):
-            if line.startswith("event: "):
-                event = line.removeprefix("event: ")
-            elif line.startswith("data: ") and event == "token":
-                print(json.loads(line.removeprefix("data: "))["text"], end="", flush=True)
-            elif line.startswith("data: "):
-                job = json.loads(line.removeprefix("data: "))
-                print(
-                    f"\n[{job['status']}: {job['output']['finish_reason'] or job['error']}]",
-                    file=sys.stderr,
-                )
-                return
+    tokens = 0
+    for event, data in client.events(job_id):
+        if event == "token":
+            tokens += 1
+            if args.quiet:
+                _progress_bar(tokens, args.max_tokens)
+            else:
+                print(data["text"], end="", flush=True)
+        elif event == "requeued":
+            tokens = 0
+        elif event in ("done", "error"):
+            if args.quiet:
+                print(data["output"]["text"], end="")
+            reason = data["output"]["finish_reason"] or data["error"]
+            print(f"\n[{data['status']}: {reason}]", file=sys.stderr)
+
+
+def _progress_bar(done: int, total: int, width: int = 30) -> None:
+    filled = width * done // max(total, 1)
+    bar = "#" * filled + "-" * (width - filled)
+    print(f"\r[{bar}] {done}/{total} tokens", end="", file=sys.stderr, flush=True)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Aligned columns; None shows as '-'."""
+    cells = [headers, *[["-" if v is None else str(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# What each listing shows: its route, its columns, and one row per item.
+LISTINGS: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[Any]]]] = {
+    "jobs": (
+        "/v1/jobs",
+        ["ID", "STATUS", "MODEL", "HOST", "TOKENS", "CREATED"],
+        lambda j: [
+            j["id"],
+            j["status"],
+            j["model"],
+            j["host"],
+            j["usage"]["completion_tokens"],
+            j["created_at"][:19],
+        ],
+    ),
+    "runners": (
+        "/v1/runners",
+        ["ID", "STATUS", "PID", "ACTIVE", "RESTARTS", "ERROR"],
+        lambda r: [r["id"], r["status"], r["pid"], r["active_jobs"], r["restarts"], r["error"]],
+    ),
+    "hosts": (
+        "/v1/hosts",
+        ["HOST", "PID", "CONCURRENCY", "RUNNERS", "QUEUED"],
+        lambda h: [
+            h["name"],
+            h["pid"],
+            h["concurrency"],
+            ", ".join(f"{r['model']}:{r['status']}" for r in h["runners"]),
+            sum(h["queues"].values()),
+        ],
+    ),
+}
+
+
+def cmd_list(settings: Settings, args: argparse.Namespace) -> None:
+    path, headers, row = LISTINGS[args.command]
+    params = {"status": args.status, "limit": args.limit} if args.command == "jobs" else {}
+    items = _client(settings).call("GET", path, **{k: v for k, v in params.items() if v})
+    print(table(headers, [row(item) for item in items]))
+
+
+def cmd_cancel(settings: Settings, args: argparse.Namespace) -> None:
+    job = _client(settings).call("POST", f"/v1/jobs/{args.job_id}/cancel")
+    print(f"job {job['id']}: {job['status']}")
+
+
+def cmd_shutdown(settings: Settings, args: argparse.Namespace) -> None:
+    body: dict[str, Any] = {"mode": args.mode}
+    if args.what == "runner":
+        if args.timeout is not None:
+            body["timeout_s"] = args.timeout
+        reply = _client(settings).call("POST", f"/v1/runners/{args.id}/shutdown", body)
+    else:
+        reply = _client(settings).call("POST", f"/v1/hosts/{args.id}/shutdown", body)
+    print(json.dumps(reply))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +242,27 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("prompt")
     submit.add_argument("--max-tokens", type=int, default=64)
     submit.add_argument("--model", default=None)
+    submit.add_argument("-q", "--quiet", action="store_true", help="a progress bar, not tokens")
     submit.set_defaults(func=cmd_submit)
+    jobs = sub.add_parser("jobs", help="recent jobs, as a table")
+    jobs.add_argument("--status", default=None)
+    jobs.add_argument("--limit", type=int, default=20)
+    jobs.set_defaults(func=cmd_list)
+    for name in ("runners", "hosts"):
+        sub.add_parser(name, help=f"the {name}, as a table").set_defaults(func=cmd_list)
+    cancel = sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job_id")
+    cancel.set_defaults(func=cmd_cancel)
+    shutdown = sub.add_parser("shutdown", help="stop a runner or a whole host")
+    what = shutdown.add_subparsers(dest="what", required=True)
+    runner = what.add_parser("runner", help="stop one runner (warm: finish jobs; hard: now)")
+    runner.add_argument("id")
+    runner.add_argument("--mode", choices=["warm", "hard"], default="warm")
+    runner.add_argument("--timeout", type=float, default=None, help="seconds, for warm")
+    host = what.add_parser("host", help="stop a host's worker (warm or cold)")
+    host.add_argument("id")
+    host.add_argument("--mode", choices=["warm", "cold"], default="warm")
+    shutdown.set_defaults(func=cmd_shutdown)
     return parser
 
 

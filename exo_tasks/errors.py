@@ -16,10 +16,22 @@ class ExoError(Exception):
         self.message = message
         self.details = details
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the error response carries besides the JSON body."""
+        return {}
+
 
 class InvalidRequest(ExoError):
     status = 422
     type = "invalid_request"
+
+
+class Unauthorized(ExoError):
+    status = 401
+    type = "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
 
 
 class NotFound(ExoError):
@@ -39,6 +51,9 @@ class QueueFull(ExoError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message, {"retry_after_s": retry_after_s})
         self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class Unavailable(ExoError):

@@ -411,8 +411,8 @@ class Runner:
 
     def _after_job_left(self) -> None:
         self._record_progress(progressed=False)
-        if not self.active and self.stop_request is None:
-            self.publish(RunnerStatus.READY)
+        idle = not self.active and self.stop_request is None
+        self.publish(RunnerStatus.READY if idle else None)  # active_jobs stays current
 
     def _end_all(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> None:
         for job_id in list(self.active):

@@ -14,8 +14,10 @@ import redis
 from pydantic import TypeAdapter
 
 from config.celery import PRIORITY_STEPS
+from exo_tasks import metrics
 from exo_tasks.types import (
     DoneEvent,
+    HostState,
     JobEvent,
     JobRecord,
     JobStatus,
@@ -81,6 +83,10 @@ def events_key(job_id: str) -> str:
 
 def runner_key(runner_id: str) -> str:
     return f"{PREFIX}:runner:{runner_id}"
+
+
+def host_key(host: str) -> str:
+    return f"{PREFIX}:host:{host}"
 
 
 class Store:
@@ -157,7 +163,10 @@ class Store:
             event_name, event_data = event.event, event.model_dump_json()
         args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data, ttl]
         args.extend(allowed_from)
-        return bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
+        written = bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
+        if written and job.is_terminal:  # counted once: only the first ending is written
+            self.write_metrics(metrics.job_ended(job))
+        return written
 
     def finish_job(self, job: JobRecord) -> bool:
         """Move an active job to its terminal status (first writer wins)."""
@@ -194,12 +203,20 @@ class Store:
 
     # --- a job's event stream ---
 
-    def append_tokens(self, tokens: Iterable[tuple[str, TokenEvent]]) -> None:
-        """Append one step's tokens for many jobs in one round trip."""
+    def append_tokens(
+        self,
+        tokens: Iterable[tuple[str, TokenEvent]],
+        observations: metrics.Observations | None = None,
+    ) -> None:
+        """Append one step's tokens for many jobs, and the step's metrics, in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id, token in tokens:
             pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
+        if observations:
+            observations.write(pipe)
         pipe.execute()
+        if observations:
+            observations.clear()
 
     def read_events(
         self, job_id: str, after: str = "0-0", block_ms: int | None = None
@@ -282,6 +299,52 @@ class Store:
 
     def requeue_runner_jobs(self, runner_id: str) -> list[str]:
         return [j for j in self.take_runner_jobs(runner_id) if self.requeue_job(j)]
+
+    def jobs_on_runners(self, runner_ids: list[str]) -> list[int]:
+        """How many jobs each runner holds (handed over and not yet ended)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for runner_id in runner_ids:
+            pipe.scard(f"{runner_key(runner_id)}:jobs")
+        counts: list[int] = pipe.execute()
+        return counts
+
+    # --- live hosts (each worker's expiring heartbeat) ---
+
+    def publish_host(self, state: HostState, ttl_s: float) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(host_key(state.name), state.model_dump_json(), px=int(ttl_s * 1000))
+        pipe.sadd(f"{PREFIX}:hosts", state.name)
+        pipe.execute()
+
+    def remove_host(self, host: str) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(host_key(host))
+        pipe.srem(f"{PREFIX}:hosts", host)
+        pipe.execute()
+
+    def live_hosts(self) -> list[HostState]:
+        """Hosts whose heartbeat has not expired, by name; expired ones are forgotten."""
+        names = sorted(self.redis.smembers(f"{PREFIX}:hosts"))
+        raws = self.redis.mget([host_key(n) for n in names]) if names else []
+        gone = [name for name, raw in zip(names, raws, strict=True) if raw is None]
+        if gone:
+            self.redis.srem(f"{PREFIX}:hosts", *gone)
+        return [HostState.model_validate_json(raw) for raw in raws if raw]
+
+    # --- metrics ---
+
+    def write_metrics(self, observations: metrics.Observations) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        observations.write(pipe)
+        pipe.execute()
+        observations.clear()
+
+    def read_metrics(self) -> dict[str, dict[str, str]]:
+        """Every stored metric's hash, by metric name."""
+        pipe = self.redis.pipeline(transaction=False)
+        for metric in metrics.STORED:
+            pipe.hgetall(metric.key)
+        return {m.name: stored for m, stored in zip(metrics.STORED, pipe.execute(), strict=True)}
 
     # --- a host's supervisor inbox ---
 

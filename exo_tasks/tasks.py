@@ -12,6 +12,7 @@ import redis
 from billiard.einfo import ExceptionInfo
 from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
+from kombu.exceptions import KombuError
 
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
@@ -33,6 +34,7 @@ from exo_tasks.types import (
     StopRunner,
     StopRunnerRequest,
     SubmitJob,
+    TokenEvent,
     runner_id_for,
 )
 
@@ -41,6 +43,8 @@ WAIT_SLICE_MS = 500
 # After a soft time limit the runner ends the job at its next step; this bounds our wait.
 CANCEL_ACK_S = 3.0
 REDIS_RETRY_S = 0.5
+PROGRESS = "PROGRESS"
+PROGRESS_EVERY_S = 0.5
 
 
 class InferenceTask(Task):  # type: ignore[type-arg]
@@ -87,7 +91,8 @@ def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
         after = store.last_event_id(job_id)
         store.send_to_runner(runner_id, SubmitJob(job_id=job_id, deadline=time.time() + hard_limit))
         log.info("job handed to runner", extra=extra)
-        return _summary(_follow(store, job_id, runner, after))
+        progress = Progress(self, job.request.max_tokens)
+        return _summary(_follow(store, job_id, runner, after, progress=progress))
     except SoftTimeLimitExceeded:
         log.warning("soft time limit reached; ending the job", extra=extra)
         if runner is None:  # still waiting for the runner: nothing ran
@@ -123,20 +128,54 @@ def _await_runner(store: Store, runner_id: str, timeout_s: float, *, pinned: boo
         time.sleep(0.1)
 
 
+class Progress:
+    """A job's tokens so far, as the task's PROGRESS state for result readers and a
+    `task-progress` event for Flower, at most every PROGRESS_EVERY_S and only as a best
+    effort."""
+
+    def __init__(self, task: Task[Any, Any], max_tokens: int) -> None:
+        self.task = task
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.reported_at = time.monotonic()
+
+    def advance(self, tokens: int) -> None:
+        self.tokens += tokens
+        now = time.monotonic()
+        if not tokens or now - self.reported_at < PROGRESS_EVERY_S:
+            return
+        self.reported_at = now
+        meta = {"tokens": self.tokens, "max_tokens": self.max_tokens}
+        try:
+            self.task.update_state(state=PROGRESS, meta=meta)
+            # Flower shows a task's state and `result` (a repr, as in task-succeeded events).
+            self.task.send_event("task-progress", retry=False, result=repr(meta))
+        except (redis.RedisError, KombuError) as exc:
+            log.warning("progress not reported", extra={"error": str(exc)})
+
+
 def _follow(
-    store: Store, job_id: str, runner: RunnerState, after: str, until: float | None = None
+    store: Store,
+    job_id: str,
+    runner: RunnerState,
+    after: str,
+    until: float | None = None,
+    progress: Progress | None = None,
 ) -> JobRecord:
     """Wait for the job's last event after stream position `after`. Returns the final record;
     never waits on a dead runner. A job its runner put back on the queue is rejected with
     requeue, so Celery delivers it again (after a restart, or to another host)."""
     while True:
         try:
-            for event_id, event in store.read_events(job_id, after, block_ms=WAIT_SLICE_MS):
+            events = store.read_events(job_id, after, block_ms=WAIT_SLICE_MS)
+            for event_id, event in events:
                 after = event_id
                 if isinstance(event, DoneEvent):
                     return event.job
                 if isinstance(event, RequeuedEvent):
                     raise Reject("runner stopped before the job finished; requeued", requeue=True)
+            if progress is not None:
+                progress.advance(sum(isinstance(e, TokenEvent) for _, e in events))
             current = store.get_runner(runner.id)
             if current is None or current.pid != runner.pid or current.status.is_final:
                 store.fail_job(job_id, f"runner {runner.id} stopped while running the job")

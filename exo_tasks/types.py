@@ -9,7 +9,15 @@ import enum
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "timed_out"]
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
@@ -55,10 +63,21 @@ class ChatMessage(WireModel):
     content: str
 
 
+def _within_max_tokens_cap(value: int, info: ValidationInfo) -> int:
+    # The cap is configuration (EXO_MAX_TOKENS): the API passes it as validation context.
+    cap = (info.context or {}).get("max_tokens_cap")
+    if cap is not None and value > cap:
+        raise ValueError(f"must be at most {cap} (EXO_MAX_TOKENS)")
+    return value
+
+
+MaxTokens = Annotated[int, Field(ge=1), AfterValidator(_within_max_tokens_cap)]
+
+
 class SamplingParams(WireModel):
     """What the runner needs to generate for one job."""
 
-    max_tokens: int = Field(256, ge=1)
+    max_tokens: MaxTokens = 256
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0)
@@ -66,15 +85,6 @@ class SamplingParams(WireModel):
         default_factory=list, max_length=MAX_STOP_STRINGS
     )
     ignore_eos: bool = False
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _within_cap(cls, value: int, info: ValidationInfo) -> int:
-        # The cap is configuration (EXO_MAX_TOKENS): the API passes it as validation context.
-        cap = (info.context or {}).get("max_tokens_cap")
-        if cap is not None and value > cap:
-            raise ValueError(f"must be at most {cap} (EXO_MAX_TOKENS)")
-        return value
 
 
 class JobRequest(SamplingParams):
@@ -86,6 +96,20 @@ class JobRequest(SamplingParams):
     host: str | None = None
     priority: Priority = "normal"
     timeout_s: float | None = Field(None, gt=0)
+
+    @field_validator("prompt", "messages")
+    @classmethod
+    def _prompt_within_cap(
+        cls, value: str | list[ChatMessage] | None, info: ValidationInfo
+    ) -> str | list[ChatMessage] | None:
+        # Like max_tokens: the cap is configuration (EXO_MAX_PROMPT_CHARS), passed as context.
+        cap = (info.context or {}).get("max_prompt_chars")
+        if cap is None or value is None:
+            return value
+        chars = len(value) if isinstance(value, str) else sum(len(m.content) for m in value)
+        if chars > cap:
+            raise ValueError(f"is {chars} characters; at most {cap} (EXO_MAX_PROMPT_CHARS)")
+        return value
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> Self:
@@ -264,6 +288,25 @@ class HostShutdownBody(WireModel):
     mode: Literal["warm", "cold"] = "warm"
 
 
+class RunnerShutdownReply(BaseModel):
+    runner_id: str
+    task_id: str
+    mode: Literal["warm", "hard"]
+    timeout_s: float
+
+
+class RunnerLoadReply(BaseModel):
+    runner_id: str
+    task_id: str
+    host: str
+
+
+class HostShutdownReply(BaseModel):
+    host: str
+    mode: Literal["warm", "cold"]
+    reply: dict[str, str] | None = Field(None, description="The worker's own answer.")
+
+
 class StatusChange(BaseModel):
     status: RunnerStatus
     at: datetime
@@ -288,6 +331,45 @@ class RunnerState(BaseModel):
     )
     started_at: datetime | None = None
     updated_at: datetime = Field(default_factory=utcnow)
+
+
+class HealthReply(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadinessReply(BaseModel):
+    status: Literal["ready", "no runner ready", "unavailable"]
+    redis: bool
+    ready_runners: list[str]
+
+
+class RunnerDetail(RunnerState):
+    """GET /v1/runners/<id>: the runner and its status changes, oldest first."""
+
+    history: list[StatusChange]
+
+
+class HostState(BaseModel):
+    """A worker host as it announces itself in Redis while it runs (an expiring heartbeat)."""
+
+    name: str
+    pid: int
+    models: list[str] = Field(description="Slugs of the models this host serves.")
+    started_at: datetime
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+class HostInfo(BaseModel):
+    """GET /v1/hosts: a live worker, as it answers Celery's inspect, with its runners and the
+    depth of each queue it consumes."""
+
+    name: str
+    node: str = Field(description="The Celery node name, exo@<host>.")
+    pid: int
+    concurrency: int | None = None
+    models: list[str]
+    runners: list[RunnerState]
+    queues: dict[str, int] = Field(description="Messages waiting in each queue it consumes.")
 
 
 def runner_id_for(model: str, host: str) -> str:

@@ -89,3 +89,33 @@ def stack(
     api = Api(api_settings(redis_server.url, [tiny_model]))
     yield Stack(redis=redis_server, store=store, worker=worker, api=api)
     api.close()
+
+
+@dataclass
+class TwoHosts:
+    """Two more hosts on the session's Redis: x serves alpha with one pool child (a job pinned
+    there waits its turn), y serves alpha and beta. Both models are the tiny one, renamed."""
+
+    x: Worker
+    y: Worker
+
+
+@pytest.fixture(scope="session")
+def fleet(
+    redis_server: RedisServer,
+    store: Store,
+    session_processes: Processes,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> TwoHosts:
+    from exo_tasks.modelgen import create_model
+
+    models = tmp_path_factory.mktemp("fleet-models")
+    alpha, beta = create_model("tiny", models / "alpha"), create_model("tiny", models / "beta")
+    data_dir = tmp_path_factory.mktemp("fleet")
+    x = start_worker(
+        session_processes, redis_server.url, "fleet-x", [alpha], data_dir, worker_concurrency=1
+    )
+    y = start_worker(session_processes, redis_server.url, "fleet-y", [alpha, beta], data_dir)
+    for worker, model in ((x, "alpha"), (y, "alpha"), (y, "beta")):
+        wait_runner_ready(store, worker, model)
+    return TwoHosts(x=x, y=y)

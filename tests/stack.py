@@ -151,6 +151,28 @@ def worker_env(
     return env
 
 
+def exo_env(**settings: Any) -> dict[str, str]:
+    """This environment without its own EXO_ settings, plus `settings` as EXO_ variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_")}
+    env.update({f"EXO_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+def wait_http(
+    url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 30
+) -> None:
+    """Wait until `url` answers 200; fail at once, with the log, if `process` exits first."""
+
+    def answers() -> bool:
+        assert process.poll() is None, log_path.read_text(errors="replace")[-3000:]
+        try:
+            return requests.get(url, timeout=1).status_code == 200
+        except (requests.ConnectionError, requests.Timeout):
+            return False
+
+    wait_until(answers, timeout_s, url, interval_s=0.2)
+
+
 def start_worker(
     processes: Processes,
     redis_url: str,

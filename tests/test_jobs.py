@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from tests.conftest import Stack
-from tests.stack import Api
 
 PROMPTS = ["hello", "The quick brown fox", "a", "1234", "Once upon a time", "xyz", "Q:", "tea"]
 
@@ -158,22 +157,6 @@ def test_finished_jobs_expire(stack: Stack) -> None:
     stack.api.wait_job(job_id)
     ttl = stack.store.redis.ttl(f"exo:job:{job_id}")
     assert 0 < ttl <= 24 * 3600
-
-
-def test_job_is_recorded_before_any_worker_takes_it(stack: Stack, tmp_path: Path) -> None:
-    """A job for a model no live worker serves yet stays known as queued: nothing is lost."""
-    from tests.conftest import api_settings
-
-    ghost = tmp_path / "ghost"
-    api = Api(api_settings(stack.redis.url, [ghost]))
-    try:
-        job_id = api.submit(prompt="anyone?", max_tokens=2)
-        job = api.get(f"/v1/jobs/{job_id}").json()
-        assert job["status"] == "queued" and job["model"] == "ghost"
-        assert stack.store.queue_depth("exo.model.ghost") == 1
-    finally:
-        api.close()
-        stack.store.redis.delete("exo.model.ghost\x06\x165")
 
 
 def test_unknown_job_is_404_in_the_error_shape(stack: Stack) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from flask import Flask
 
 from config.settings import Settings
-from exo_tasks.api import errors, health, hosts, jobs, runners
+from exo_tasks.api import auth, errors, health, hosts, jobs, metrics, openai, openapi, runners
 from exo_tasks.api.context import ApiContext
 from exo_tasks.celery_app import ExoCelery
 
@@ -17,9 +17,10 @@ from exo_tasks.celery_app import ExoCelery
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings()
     app = Flask("exo_tasks")
-    app.config["MAX_CONTENT_LENGTH"] = 1 << 20
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["exo"] = ApiContext(settings=settings, celery=ExoCelery(settings))
     errors.init_app(app)
-    for blueprint in (health.bp, jobs.bp, runners.bp, hosts.bp):
+    auth.init_app(app)
+    for blueprint in (health.bp, jobs.bp, runners.bp, hosts.bp, openai.bp, metrics.bp, openapi.bp):
         app.register_blueprint(blueprint)
     return app

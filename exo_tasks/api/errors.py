@@ -6,19 +6,52 @@ import logging
 from typing import Any
 
 import redis
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, current_app, jsonify, request
 from pydantic import ValidationError
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from exo_tasks.errors import ExoError, QueueFull
+from exo_tasks.errors import ExoError
 
 log = logging.getLogger("exo_tasks.api")
+# These routes answer errors in OpenAI's shape, so that OpenAI clients can read them.
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
-def error_response(status: int, type_: str, message: str, details: Any = None) -> Response:
-    response = jsonify({"error": {"type": type_, "message": message, "details": details}})
+def error_response(
+    status: int, type_: str, message: str, details: Any = None, *, code: str | None = None
+) -> Response:
+    """The project's error shape, or OpenAI's on its routes; `code` is OpenAI's only."""
+    if _is_openai_route():
+        param = _param(details)
+        if status == 422:  # OpenAI answers any invalid request with 400
+            status = 400
+        if status == 404 and param == "model":
+            code = "model_not_found"
+        body = openai_error_body(status, message, param=param, code=code or type_)
+    else:
+        body = {"error": {"type": type_, "message": message, "details": details}}
+    response = jsonify(body)
     response.status_code = status
     return response
+
+
+def openai_error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _is_openai_route() -> bool:
+    return any(request.path == p or request.path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+def _param(details: Any) -> str | None:
+    """The field an error concerns, from either kind of `details`."""
+    if isinstance(details, list) and details and isinstance(details[0], dict):
+        details = details[0]
+    field = details.get("field") if isinstance(details, dict) else None
+    return str(field) if field is not None else None
 
 
 def validation_details(exc: ValidationError) -> list[dict[str, Any]]:
@@ -26,7 +59,11 @@ def validation_details(exc: ValidationError) -> list[dict[str, Any]]:
     return [
         {
             "field": ".".join(str(p) for p in err["loc"]) or None,
-            "message": err["msg"].removeprefix("Value error, "),
+            "message": (
+                "not supported"
+                if err["type"] == "extra_forbidden"
+                else err["msg"].removeprefix("Value error, ")
+            ),
         }
         for err in exc.errors(include_url=False, include_input=False)
     ]
@@ -38,12 +75,22 @@ def handle(exc: Exception) -> Response:
         summary = "; ".join(
             f"{d['field']}: {d['message']}" if d["field"] else d["message"] for d in details
         )
-        return error_response(422, "invalid_request", summary, details)
+        unsupported = exc.errors()[0]["type"] == "extra_forbidden"
+        return error_response(
+            422,
+            "invalid_request",
+            summary,
+            details,
+            code="unsupported_parameter" if unsupported else "invalid_value",
+        )
     if isinstance(exc, ExoError):
         response = error_response(exc.status, exc.type, exc.message, exc.details)
-        if isinstance(exc, QueueFull):
-            response.headers["Retry-After"] = str(exc.retry_after_s)
+        response.headers.update(exc.headers())
         return response
+    if isinstance(exc, RequestEntityTooLarge):
+        limit = current_app.config["MAX_CONTENT_LENGTH"]
+        message = f"the request body is larger than {limit} bytes (EXO_MAX_BODY_BYTES)"
+        return error_response(413, "request_entity_too_large", message, {"limit_bytes": limit})
     if isinstance(exc, HTTPException):
         code = exc.code or 500
         return error_response(code, exc.name.lower().replace(" ", "_"), exc.description or "")

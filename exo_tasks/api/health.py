@@ -6,13 +6,14 @@ import redis
 from flask import Blueprint, Response, jsonify
 
 from exo_tasks.api.context import ctx
+from exo_tasks.types import HealthReply, ReadinessReply
 
 bp = Blueprint("health", __name__)
 
 
 @bp.get("/healthz")
 def healthz() -> Response:
-    return jsonify({"status": "ok"})
+    return jsonify(HealthReply().model_dump())
 
 
 @bp.get("/readyz")
@@ -21,11 +22,9 @@ def readyz() -> tuple[Response, int]:
     try:
         ready = [r.id for r in ctx().store.list_runners() if r.status.accepts_jobs]
     except (redis.ConnectionError, redis.TimeoutError):
-        return jsonify({"status": "unavailable", "redis": False, "ready_runners": []}), 503
-    status = 200 if ready else 503
-    body = {
-        "status": "ready" if ready else "no runner ready",
-        "redis": True,
-        "ready_runners": ready,
-    }
-    return jsonify(body), status
+        down = ReadinessReply(status="unavailable", redis=False, ready_runners=[])
+        return jsonify(down.model_dump()), 503
+    body = ReadinessReply(
+        status="ready" if ready else "no runner ready", redis=True, ready_runners=ready
+    )
+    return jsonify(body.model_dump()), 200 if ready else 503

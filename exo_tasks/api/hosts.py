@@ -5,12 +5,48 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from exo_tasks.api.context import ctx
+from exo_tasks.api.fleet import Fleet
 from exo_tasks.api.jobs import json_body
 from exo_tasks.errors import NotFound
-from exo_tasks.types import HostShutdownBody
+from exo_tasks.types import HostInfo, HostShutdownBody, HostShutdownReply, host_queue, model_queue
 
 bp = Blueprint("hosts", __name__, url_prefix="/v1/hosts")
 REPLY_TIMEOUT_S = 3.0
+INSPECT_TIMEOUT_S = 1.0
+NODE_PREFIX = "exo@"
+
+
+@bp.get("")
+def list_hosts() -> Response:
+    """The workers that answer Celery's inspect, with their runners and queue depths."""
+    context = ctx()
+    fleet = Fleet.load(context.store)
+    # Stop waiting as soon as every host with a heartbeat has answered.
+    inspect = context.celery.control.inspect(
+        timeout=INSPECT_TIMEOUT_S, limit=len(fleet.hosts) or None
+    )
+    stats = inspect.stats() or {}
+    hosts: list[HostInfo] = []
+    for node, info in sorted(stats.items()):
+        if not node.startswith(NODE_PREFIX):
+            continue
+        name = node.removeprefix(NODE_PREFIX)
+        runners = fleet.host_runners(name)
+        live = fleet.hosts.get(name)
+        models = live.models if live is not None else [r.model for r in runners]
+        queues = [host_queue(name)] + [model_queue(m) for m in models]
+        hosts.append(
+            HostInfo(
+                name=name,
+                node=node,
+                pid=info["pid"],
+                concurrency=info.get("pool", {}).get("max-concurrency"),
+                models=models,
+                runners=runners,
+                queues={q: context.store.queue_depth(q) for q in queues},
+            )
+        )
+    return jsonify([h.model_dump(mode="json") for h in hosts])
 
 
 @bp.post("/<host>/shutdown")
@@ -29,4 +65,5 @@ def shutdown_host(host: str) -> tuple[Response, int]:
     )
     if not replies:
         raise NotFound(f"no live worker for host '{host}'", {"host": host})
-    return jsonify({"host": host, "mode": body.mode, "reply": replies[0].get(node)}), 202
+    reply = HostShutdownReply(host=host, mode=body.mode, reply=replies[0].get(node))
+    return jsonify(reply.model_dump(mode="json")), 202

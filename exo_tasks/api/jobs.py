@@ -1,4 +1,4 @@
-"""Jobs: submit, look up, list, and stream tokens as server-sent events."""
+"""Jobs: submit, look up, list, cancel, and stream tokens as server-sent events."""
 
 from __future__ import annotations
 
@@ -12,21 +12,23 @@ from flask import Blueprint, Response, jsonify, request, stream_with_context
 from config.celery import PRIORITY_LEVELS
 from config.settings import model_slug
 from exo_tasks.api.context import ApiContext, ctx
+from exo_tasks.api.fleet import Fleet
 from exo_tasks.celery_app import INFERENCE_TASK
-from exo_tasks.errors import InvalidRequest, NotFound
+from exo_tasks.errors import Conflict, InvalidRequest, NotFound, QueueFull
+from exo_tasks.store import Store
 from exo_tasks.types import (
     TERMINAL_JOB_STATUSES,
+    CancelJob,
     DoneEvent,
+    JobEvent,
     JobRecord,
     JobRequest,
-    host_queue,
-    model_queue,
-    runner_id_for,
 )
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 SSE_BLOCK_MS = 1000
 KEEPALIVE = ": keepalive\n\n"
+QUEUE_FULL_RETRY_AFTER_S = 5
 
 
 def json_body(*, allow_empty: bool = False) -> dict[str, Any]:
@@ -43,33 +45,41 @@ def public(job: JobRecord) -> dict[str, Any]:
     return job.model_dump(mode="json")
 
 
-def resolve_model(context: ApiContext, requested: str | None) -> str:
-    """The served model a request names (by slug or by path), or the default one."""
-    configured = [model_slug(m) for m in context.settings.served_models]
-    if requested is None:
-        return configured[0]
-    served = dict.fromkeys(configured + [r.model for r in context.store.list_runners()])
-    for candidate in (requested, model_slug(requested)):
+def resolve_model(context: ApiContext, requested: str | None, fleet: Fleet | None = None) -> str:
+    """The model a request names (by slug or by path), or this API's default one; 404 unless a
+    live host serves it."""
+    fleet = fleet or Fleet.load(context.store)
+    name = requested if requested is not None else context.settings.served_models[0]
+    served = fleet.models
+    for candidate in (name, model_slug(name)):
         if candidate in served:
             return candidate
     raise NotFound(
-        f"model '{requested}' is not served; served models: {', '.join(served)}",
-        {"field": "model", "served_models": list(served)},
+        f"model '{name}' is not served by any live host; served models: "
+        f"{', '.join(served) or 'none'}",
+        {"field": "model", "served_models": served},
     )
 
 
+def check_backlog(context: ApiContext, queue: str) -> None:
+    """429 once EXO_MAX_QUEUED_JOBS jobs wait in the queue: the client backs off, Redis does
+    not fill up."""
+    depth, cap = context.store.queue_depth(queue), context.settings.max_queued_jobs
+    if depth >= cap:
+        raise QueueFull(
+            f"{depth} jobs are waiting in {queue}, the most allowed (EXO_MAX_QUEUED_JOBS={cap})",
+            retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+        )
+
+
 def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
-    """Record the job, then send its task: a job the API accepted is never unknown."""
+    """Record the job, then send its task: a job the API accepted is never unknown. A pinned
+    job goes to its host's own queue, which only that host's worker consumes."""
     settings = context.settings
-    model = resolve_model(context, job_request.model)
-    queue = model_queue(model)
-    if job_request.host is not None:
-        # Pinned: the host's own queue, which only that host's worker consumes.
-        if context.store.get_runner(runner_id_for(model, job_request.host)) is None:
-            raise InvalidRequest(
-                f"host '{job_request.host}' does not serve model '{model}'", {"field": "host"}
-            )
-        queue = host_queue(job_request.host)
+    fleet = Fleet.load(context.store)
+    model = resolve_model(context, job_request.model, fleet)
+    queue = fleet.queue_for(model, job_request.host)
+    check_backlog(context, queue)
     job = JobRecord(id=uuid.uuid4().hex, model=model, request=job_request)
     context.store.create_job(job)
     soft = job_request.timeout_s or settings.job_soft_time_limit_s
@@ -87,7 +97,11 @@ def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
 
 
 def parse_job_request(context: ApiContext, body: dict[str, Any]) -> JobRequest:
-    return JobRequest.model_validate(body, context={"max_tokens_cap": context.settings.max_tokens})
+    caps = {
+        "max_tokens_cap": context.settings.max_tokens,
+        "max_prompt_chars": context.settings.max_prompt_chars,
+    }
+    return JobRequest.model_validate(body, context=caps)
 
 
 @bp.post("")
@@ -110,7 +124,11 @@ def list_jobs() -> Response:
 
 
 def get_or_404(job_id: str) -> JobRecord:
-    job = ctx().store.get_job(job_id)
+    return _stored_job(ctx().store, job_id)
+
+
+def _stored_job(store: Store, job_id: str) -> JobRecord:
+    job = store.get_job(job_id)
     if job is None:
         raise NotFound(f"no job '{job_id}'", {"job_id": job_id})
     return job
@@ -130,22 +148,63 @@ def stream_job(job_id: str) -> Response:
     store = ctx().store
 
     def events() -> Iterator[str]:
-        position = after
-        while True:
-            batch = store.read_events(job_id, position, block_ms=SSE_BLOCK_MS)
-            if not batch:
+        for item in follow_events(store, job_id, after):
+            if item is None:
                 yield KEEPALIVE
                 continue
-            for event_id, event in batch:
-                position = event_id
-                data = (
-                    public(event.job)
-                    if isinstance(event, DoneEvent)
-                    else event.model_dump(exclude={"event"})
-                )
-                yield f"id: {event_id}\nevent: {event.event}\ndata: {json.dumps(data)}\n\n"
-                if isinstance(event, DoneEvent):
-                    return
+            event_id, event = item
+            data = (
+                public(event.job)
+                if isinstance(event, DoneEvent)
+                else event.model_dump(exclude={"event"})
+            )
+            yield f"id: {event_id}\nevent: {event.event}\ndata: {json.dumps(data)}\n\n"
 
+    return sse_response(events())
+
+
+def follow_events(
+    store: Store, job_id: str, after: str = "0-0"
+) -> Iterator[tuple[str, JobEvent] | None]:
+    """A job's events after stream position `after`, up to its last (DoneEvent); None for
+    each second without one, so a streaming caller can write a keepalive."""
+    while True:
+        batch = store.read_events(job_id, after, block_ms=SSE_BLOCK_MS)
+        if not batch:
+            yield None
+        for event_id, event in batch:
+            after = event_id
+            yield event_id, event
+            if isinstance(event, DoneEvent):
+                return
+
+
+def sse_response(chunks: Iterator[str]) -> Response:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return Response(stream_with_context(events()), mimetype="text/event-stream", headers=headers)
+    return Response(stream_with_context(chunks), mimetype="text/event-stream", headers=headers)
+
+
+def cancel_job(store: Store, job_id: str) -> JobRecord:
+    """Cancel a job, from the route or a streaming client that went away. A queued job ends
+    `cancelled` at once and never runs; a running one is ended by its runner at the next
+    step with its partial text (the runner keeps its model). Returns the job as it is now."""
+    job = _stored_job(store, job_id)
+    while job.status == "queued":
+        cancelled = job.finished(
+            "cancelled", text="", finish_reason="cancelled", completion_tokens=0
+        )
+        if store.transition(cancelled, allowed_from=("queued",)):
+            return cancelled
+        job = _stored_job(store, job_id)  # a runner took it meanwhile, or it ended
+    if job.is_terminal:
+        raise Conflict(f"job '{job_id}' is already {job.status}", {"status": job.status})
+    assert job.runner_id is not None, "a running job always names its runner"
+    store.send_to_runner(job.runner_id, CancelJob(job_id=job_id, reason="cancelled"))
+    return job
+
+
+@bp.post("/<job_id>/cancel")
+def cancel(job_id: str) -> tuple[Response, int]:
+    """202 with the job: `cancelled` if it was queued, else still `running` until its runner's
+    next step ends it."""
+    return jsonify(public(cancel_job(ctx().store, job_id))), 202

@@ -11,8 +11,11 @@ from exo_tasks.api.jobs import json_body
 from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK
 from exo_tasks.errors import Conflict, NotFound
 from exo_tasks.types import (
+    RunnerDetail,
     RunnerLoadBody,
+    RunnerLoadReply,
     RunnerShutdownBody,
+    RunnerShutdownReply,
     RunnerState,
     host_queue,
     runner_id_for,
@@ -36,8 +39,8 @@ def list_runners() -> Response:
 @bp.get("/<runner_id>")
 def get_runner(runner_id: str) -> Response:
     state = get_or_404(runner_id)
-    history = [c.model_dump(mode="json") for c in ctx().store.runner_history(runner_id)]
-    return jsonify({**state.model_dump(mode="json"), "history": history})
+    detail = RunnerDetail(**dict(state), history=ctx().store.runner_history(runner_id))
+    return jsonify(detail.model_dump(mode="json"))
 
 
 @bp.post("/<runner_id>/shutdown")
@@ -57,8 +60,10 @@ def shutdown_runner(runner_id: str) -> tuple[Response, int]:
         queue=host_queue(state.host),
         priority=PRIORITY_LEVELS["high"],
     )
-    reply = {"runner_id": runner_id, "task_id": task.id, "mode": body.mode, "timeout_s": timeout_s}
-    return jsonify(reply), 202
+    reply = RunnerShutdownReply(
+        runner_id=runner_id, task_id=task.id, mode=body.mode, timeout_s=timeout_s
+    )
+    return jsonify(reply.model_dump(mode="json")), 202
 
 
 @bp.post("")
@@ -87,4 +92,5 @@ def load_runner() -> tuple[Response, int]:
         queue=host_queue(state.host),
         priority=PRIORITY_LEVELS["high"],
     )
-    return jsonify({"runner_id": state.id, "task_id": task.id, "host": state.host}), 202
+    reply = RunnerLoadReply(runner_id=state.id, task_id=task.id, host=state.host)
+    return jsonify(reply.model_dump(mode="json")), 202

@@ -1,0 +1,147 @@
+"""Streaming HTTP clients, one per contender's API, that time every token they receive.
+
+Plain `http.client`: its `readline()` returns each server-sent event as soon as it arrives,
+whether the body is chunked (gunicorn) or read until close (mlx_lm.server speaks HTTP/1.0),
+where a buffered reader would hold tokens back and distort time to first token.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+TIMEOUT_S = 300.0
+# What a request can fail with; it is recorded on its trace and counted, never raised.
+REQUEST_ERRORS = (OSError, http.client.HTTPException, ValueError, KeyError, RuntimeError)
+
+
+@dataclass
+class Trace:
+    """One request as its client saw it; times are `time.monotonic()` seconds."""
+
+    started: float
+    token_times: list[float] = field(default_factory=list)
+    ended: float | None = None
+    completion_tokens: int | None = None  # as the server counted them (usage)
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.started if self.token_times else None
+
+    @property
+    def latency_s(self) -> float | None:
+        return self.ended - self.started if self.ended is not None and not self.error else None
+
+
+class Client(Protocol):
+    def run(self, trace: Trace, prompt: str, max_tokens: int) -> None:
+        """Send one streaming request and fill `trace` as tokens arrive."""
+
+
+class Connection:
+    """One keep-alive connection (re-opened after an error or a server-side close)."""
+
+    def __init__(self, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT_S)
+
+    def open(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        self.conn.request(method, path, body=payload, headers=headers)
+        return self.conn.getresponse()
+
+    def reset(self) -> None:
+        self.conn.close()
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT_S)
+
+
+def _lines(response: Any) -> Iterator[str]:
+    while line := response.readline():
+        yield line.decode().rstrip("\r\n")
+
+
+class ExoClient:
+    """`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` until the `done` (or `error`) event."""
+
+    def __init__(self, base_url: str, **job: Any) -> None:
+        self.http = Connection(base_url)
+        self.job = job  # extra job fields, e.g. ignore_eos
+
+    def run(self, trace: Trace, prompt: str, max_tokens: int) -> None:
+        try:
+            created = self.http.open(
+                "POST", "/v1/jobs", {"prompt": prompt, "max_tokens": max_tokens, **self.job}
+            )
+            reply = json.loads(created.read())
+            if created.status != 202:
+                raise RuntimeError(f"POST /v1/jobs: {created.status} {reply}")
+            stream = self.http.open("GET", f"/v1/jobs/{reply['id']}/stream")
+            event = ""
+            for line in _lines(stream):
+                if line.startswith("event: "):
+                    event = line.removeprefix("event: ")
+                elif line.startswith("data: ") and event == "token":
+                    trace.token_times.append(time.monotonic())
+                elif line.startswith("data: ") and event in ("done", "error"):
+                    trace.ended = time.monotonic()
+                    job = json.loads(line.removeprefix("data: "))
+                    trace.completion_tokens = job["usage"]["completion_tokens"]
+                    if job["status"] != "succeeded":
+                        trace.error = f"job {job['status']}: {job['error']}"
+                    break
+            stream.read()  # the end of the chunked body, so the connection can be reused
+            if trace.ended is None:
+                raise RuntimeError("the stream ended before the job did")
+        except REQUEST_ERRORS as exc:
+            trace.error = trace.error or f"{type(exc).__name__}: {exc}"
+            self.http.reset()
+
+
+class MlxServerClient:
+    """`POST /v1/completions` with `stream: true`, usage requested in the last chunk.
+
+    mlx_lm.server has no ignore_eos: the bench model rarely samples its EOS (its logit is
+    scaled down), and the tokens counted are the ones the server reports in `usage`.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        self.http = Connection(base_url)
+
+    def run(self, trace: Trace, prompt: str, max_tokens: int) -> None:
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            response = self.http.open("POST", "/v1/completions", body)
+            if response.status != 200:
+                raise RuntimeError(f"POST /v1/completions: {response.status}")
+            for line in _lines(response):
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    trace.ended = time.monotonic()
+                    trace.completion_tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0].get("text"):
+                    trace.token_times.append(time.monotonic())
+            response.read()
+            if trace.ended is None:
+                raise RuntimeError("the stream ended before the completion did")
+        except REQUEST_ERRORS as exc:
+            trace.error = f"{type(exc).__name__}: {exc}"
+            self.http.reset()

@@ -1,0 +1,130 @@
+"""The contenders, each started from nothing and stopped by PID: the exo_tasks stack (its own
+redis-server, the API under gunicorn as `exo-tasks api` runs it, one or more workers) and
+`python -m mlx_lm server` on the same model directory.
+
+Process handling is the test suite's (`tests/stack.py`): every process is started in its own
+session, remembered with its descendants, and killed by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from config.settings import model_slug
+from exo_tasks.store import Store
+from tests.stack import (
+    EXO_TASKS,
+    Processes,
+    RedisServer,
+    Worker,
+    free_port,
+    start_redis,
+    start_worker,
+    wait_runner_ready,
+    wait_until,
+    worker_env,
+)
+
+START_TIMEOUT_S = 180.0
+# Pool children per worker: a full batch of 32 jobs plus room for control tasks, as by default.
+WORKER_CONCURRENCY = 34
+
+
+class Lab:
+    """Every process group the bench starts, so that all of them are stopped by PID at the end,
+    even after a failure or Ctrl-C; each group gets its own directory for logs and data."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._groups: list[Processes] = []
+        self._started = 0
+
+    def group(self, name: str) -> tuple[Processes, Path]:
+        self._started += 1
+        directory = self.workdir / f"{self._started:02d}-{name}"
+        directory.mkdir(parents=True, exist_ok=True)
+        processes = Processes()
+        self._groups.append(processes)
+        return processes, directory
+
+    def stop(self, processes: Processes) -> None:
+        if processes in self._groups:
+            self._groups.remove(processes)
+            processes.stop_all()
+
+    def close(self) -> None:
+        for processes in reversed(list(self._groups)):
+            self.stop(processes)
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@dataclass
+class ExoStack:
+    url: str
+    model: str
+    redis: RedisServer
+    store: Store
+    workers: list[Worker]
+    processes: Processes
+    directory: Path
+
+
+def start_exo(
+    lab: Lab, name: str, model_dir: Path, *, workers: int = 1, **settings: Any
+) -> ExoStack:
+    """Redis, the API and `workers` workers serving `model_dir`; returns once every runner is
+    Ready and the API answers. `settings` become EXO_* variables of the API and the workers."""
+    processes, directory = lab.group(name)
+    redis = start_redis(processes, directory / "redis")
+    port = free_port()
+    settings.setdefault("worker_concurrency", WORKER_CONCURRENCY)
+    api_env = worker_env(redis.url, "api", [model_dir], directory, api_port=port, **settings)
+    processes.start([EXO_TASKS, "api"], api_env, directory / "api.log")
+    started = [
+        start_worker(processes, redis.url, f"bench{i}", [model_dir], directory, **settings)
+        for i in range(workers)
+    ]
+    store = Store.from_url(redis.url)
+    model = model_slug(str(model_dir))
+    for worker in started:
+        wait_runner_ready(store, worker, model=model, timeout_s=START_TIMEOUT_S)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _get_ok(f"{url}/readyz"), START_TIMEOUT_S, "the exo_tasks API")
+    return ExoStack(url, model, redis, store, started, processes, directory)
+
+
+@dataclass
+class MlxServer:
+    url: str
+    processes: Processes
+
+
+def start_mlx_server(lab: Lab, name: str, model_dir: Path) -> MlxServer:
+    """`python -m mlx_lm server --model DIR`; returns once /health answers 200."""
+    processes, directory = lab.group(name)
+    port = free_port()
+    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = processes.start(argv, env, directory / "mlx.log")
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"mlx_lm.server exited ({process.returncode}); see {directory}")
+        return _get_ok(f"{url}/health")
+
+    wait_until(healthy, START_TIMEOUT_S, "mlx_lm.server", interval_s=0.1)
+    return MlxServer(url, processes)

@@ -1,0 +1,57 @@
+"""The fleet as the API sees it: the hosts whose heartbeat is live, and their runners. It decides
+which queue a job may go to, and refuses jobs that no live runner could ever take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exo_tasks.errors import InvalidRequest, Unavailable
+from exo_tasks.store import Store
+from exo_tasks.types import HostState, RunnerState, host_queue, model_queue, runner_id_for
+
+
+def is_down(state: RunnerState | None) -> bool:
+    """Stopped or failed for good; a runner not yet published is still starting."""
+    return state is not None and state.status.is_final and state.next_restart_at is None
+
+
+@dataclass
+class Fleet:
+    hosts: dict[str, HostState]
+    runners: dict[str, RunnerState]
+
+    @classmethod
+    def load(cls, store: Store) -> Fleet:
+        return cls(
+            hosts={h.name: h for h in store.live_hosts()},
+            runners={r.id: r for r in store.list_runners()},
+        )
+
+    @property
+    def models(self) -> list[str]:
+        """Every model some live host serves, in host order."""
+        return list(dict.fromkeys(m for host in self.hosts.values() for m in host.models))
+
+    def host_runners(self, host: str) -> list[RunnerState]:
+        return [r for r in self.runners.values() if r.host == host]
+
+    def queue_for(self, model: str, host: str | None) -> str:
+        """The queue for a job on a served `model`, pinned to `host` or not: 422 for a host that
+        does not serve it, 503 when every runner that could take it is down."""
+        pinned = self.hosts.get(host) if host is not None else None
+        if host is not None and (pinned is None or model not in pinned.models):
+            live = ", ".join(self.hosts) or "none"
+            raise InvalidRequest(
+                f"host '{host}' does not serve model '{model}' (live hosts: {live})",
+                {"field": "host"},
+            )
+        hosts = [host] if host is not None else [h.name for h in self.hosts.values()]
+        runner_ids = [runner_id_for(model, h) for h in hosts if model in self.hosts[h].models]
+        if all(is_down(self.runners.get(r)) for r in runner_ids):
+            states = "; ".join(f"{r}: {self.runners[r].status}" for r in runner_ids)
+            raise Unavailable(
+                f"every runner for model '{model}' is down ({states}); "
+                "start one with POST /v1/runners",
+                {"model": model, "runners": runner_ids},
+            )
+        return host_queue(host) if host is not None else model_queue(model)

@@ -1,0 +1,263 @@
+"""OpenAI-compatible routes: chat completions and completions (streamed or not), and models.
+
+A request becomes an ordinary job (same validation, queue, runners and record as POST /v1/jobs)
+and its answer is read from the job's event stream. A streaming client that goes away cancels
+its job. Errors on these routes take OpenAI's shape (see exo_tasks.api.errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from flask import Blueprint, Response, jsonify
+from pydantic import BaseModel
+
+from config.settings import model_slug
+from exo_tasks.api.context import ApiContext, ctx
+from exo_tasks.api.errors import openai_error_body
+from exo_tasks.api.fleet import Fleet, is_down
+from exo_tasks.api.jobs import (
+    KEEPALIVE,
+    cancel_job,
+    follow_events,
+    json_body,
+    parse_job_request,
+    sse_response,
+    submit_job,
+)
+from exo_tasks.errors import ExoError, NotFound, RunnerGone, Unavailable
+from exo_tasks.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    OpenAIFinishReason,
+    OpenAIRequest,
+    openai_finish_reason,
+)
+from exo_tasks.store import Store
+from exo_tasks.types import DoneEvent, JobRecord, RequeuedEvent, TokenEvent, runner_id_for
+
+bp = Blueprint("openai", __name__, url_prefix="/v1")
+# A non-streaming request waits for its job's own time limits plus this, counted from submission.
+WAIT_SLACK_S = 10.0
+DONE = "data: [DONE]\n\n"
+
+
+class Renderer(Protocol):
+    """How one route shows a job: whole, or as the chunks of a stream."""
+
+    def whole(self, job: JobRecord) -> BaseModel: ...
+
+    def opening(self, job: JobRecord) -> list[BaseModel]: ...
+
+    def chunk(
+        self, job: JobRecord, text: str | None, finish: OpenAIFinishReason | None
+    ) -> BaseModel: ...
+
+    def usage_chunk(self, job: JobRecord) -> BaseModel: ...
+
+
+def _header(job: JobRecord, prefix: str) -> dict[str, Any]:
+    """What every chunk of one answer repeats: its id, creation time and model."""
+    return {
+        "id": f"{prefix}-{job.id}",
+        "created": int(job.created_at.timestamp()),
+        "model": job.model,
+    }
+
+
+class ChatRenderer:
+    def whole(self, job: JobRecord) -> ChatCompletion:
+        choice = ChatChoice(
+            message=AssistantMessage(content=job.output.text),
+            finish_reason=openai_finish_reason(job.output.finish_reason),
+        )
+        return ChatCompletion(**_header(job, "chatcmpl"), choices=[choice], usage=job.usage)
+
+    def opening(self, job: JobRecord) -> list[BaseModel]:
+        choice = ChatChunkChoice(delta=Delta(role="assistant", content=""))
+        return [ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])]
+
+    def chunk(
+        self, job: JobRecord, text: str | None, finish: OpenAIFinishReason | None
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(delta=Delta(content=text), finish_reason=finish)
+        return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])
+
+    def usage_chunk(self, job: JobRecord) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[], usage=job.usage)
+
+
+class TextRenderer:
+    def whole(self, job: JobRecord) -> Completion:
+        finish = openai_finish_reason(job.output.finish_reason)
+        choice = CompletionChoice(text=job.output.text, finish_reason=finish)
+        return Completion(**_header(job, "cmpl"), choices=[choice], usage=job.usage)
+
+    def opening(self, job: JobRecord) -> list[BaseModel]:
+        return []
+
+    def chunk(
+        self, job: JobRecord, text: str | None, finish: OpenAIFinishReason | None
+    ) -> Completion:
+        choice = CompletionChoice(text=text or "", finish_reason=finish)
+        return Completion(**_header(job, "cmpl"), choices=[choice])
+
+    def usage_chunk(self, job: JobRecord) -> Completion:
+        return Completion(**_header(job, "cmpl"), choices=[], usage=job.usage)
+
+
+@bp.post("/chat/completions")
+def chat_completions() -> Response:
+    return _complete(ChatCompletionRequest, ChatRenderer())
+
+
+@bp.post("/completions")
+def completions() -> Response:
+    return _complete(CompletionRequest, TextRenderer())
+
+
+def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
+    context = ctx()
+    body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
+    job = submit_job(context, parse_job_request(context, body.job_fields()))
+    if body.stream:
+        response = sse_response(
+            _stream(context.store, job, renderer, include_usage=body.include_usage)
+        )
+    else:
+        response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
+    response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
+    return response
+
+
+def _failure(job: JobRecord) -> RunnerGone:
+    """A failed job: its runner died, stalled or was shut down before it finished."""
+    return RunnerGone(job.error or f"job {job.id} failed", {"job_id": job.id})
+
+
+def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
+    """The job once it has ended; a failed job is an error. Bounded by the job's time limits:
+    past them (it sat in the queue) the job is cancelled and the request gets 503."""
+    settings = context.settings
+    limit_s = (
+        (job.request.timeout_s or settings.job_soft_time_limit_s)
+        + settings.job_hard_grace_s
+        + WAIT_SLACK_S
+    )
+    deadline = time.monotonic() + limit_s
+    final: JobRecord | None = None
+    for item in follow_events(context.store, job.id):
+        if item is not None and isinstance(item[1], DoneEvent):
+            final = item[1].job
+        elif time.monotonic() > deadline:
+            with contextlib.suppress(ExoError):
+                cancel_job(context.store, job.id)
+            raise Unavailable(
+                f"job {job.id} did not finish within {limit_s:.0f}s; it was cancelled",
+                {"job_id": job.id},
+            )
+    assert final is not None, "a job's event stream ends with its DoneEvent"
+    if final.status == "failed":
+        raise _failure(final)
+    return final
+
+
+def _data(body: BaseModel | dict[str, Any]) -> str:
+    text = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    return f"data: {text}\n\n"
+
+
+def _stream(
+    store: Store, job: JobRecord, renderer: Renderer, *, include_usage: bool
+) -> Iterator[str]:
+    """The job as OpenAI stream chunks, a keepalive comment each second nothing happens (a
+    queued job, a long prompt), then `data: [DONE]`. If the client goes away, the next write
+    fails, the server closes this generator, and the job is cancelled."""
+    ended = False
+    sent_text = False
+    try:
+        for opening in renderer.opening(job):
+            yield _data(opening)
+        for item in follow_events(store, job.id):
+            if item is None:
+                yield KEEPALIVE
+                continue
+            event = item[1]
+            if isinstance(event, TokenEvent):
+                sent_text = True
+                yield _data(renderer.chunk(job, event.text, None))
+            elif isinstance(event, RequeuedEvent) and sent_text:
+                # The next attempt starts over, and text already sent cannot be taken back:
+                # end this stream (and, below, the job nobody will read).
+                message = f"job {job.id} was requeued after its worker stopped; retry"
+                yield _data(openai_error_body(503, message, code="requeued"))
+                break
+            elif isinstance(event, DoneEvent):
+                ended = True
+                yield from _ending(renderer, job, event.job, include_usage)
+        yield DONE
+    finally:
+        if not ended:
+            with contextlib.suppress(ExoError):
+                cancel_job(store, job.id)
+
+
+def _ending(
+    renderer: Renderer, job: JobRecord, final: JobRecord, include_usage: bool
+) -> Iterator[str]:
+    if final.status == "failed":
+        failure = _failure(final)
+        yield _data(openai_error_body(failure.status, failure.message, code=failure.type))
+        return
+    yield _data(renderer.chunk(job, None, openai_finish_reason(final.output.finish_reason)))
+    if include_usage:
+        yield _data(renderer.usage_chunk(final))
+
+
+# --- models ---
+
+
+@bp.get("/models")
+def list_models() -> Response:
+    return jsonify(ModelList(data=_served_models()).model_dump(mode="json"))
+
+
+@bp.get("/models/<path:model>")
+def get_model(model: str) -> Response:
+    cards = _served_models()
+    for card in cards:
+        if card.id in (model, model_slug(model)):
+            return jsonify(card.model_dump(mode="json"))
+    served = ", ".join(card.id for card in cards) or "none"
+    raise NotFound(f"model '{model}' is not served; served models: {served}", {"field": "model"})
+
+
+def _served_models() -> list[ModelCard]:
+    """Each model a live host serves with a runner that is up (or starting), and those hosts."""
+    fleet = Fleet.load(ctx().store)
+    cards: list[ModelCard] = []
+    for model in fleet.models:
+        hosts = [
+            host
+            for host in sorted(fleet.hosts.values(), key=lambda h: h.name)
+            if model in host.models
+            and not is_down(fleet.runners.get(runner_id_for(model, host.name)))
+        ]
+        if hosts:
+            created = min(int(host.started_at.timestamp()) for host in hosts)
+            cards.append(ModelCard(id=model, created=created, hosts=[h.name for h in hosts]))
+    return cards

@@ -1,0 +1,290 @@
+"""GET /openapi.json: OpenAPI 3.1, generated from the pydantic models of every request and
+response body and a compact table of the routes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal
+
+from flask import Blueprint, Response, jsonify
+from pydantic import BaseModel, TypeAdapter
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+
+from exo_tasks.api.context import ctx
+from exo_tasks.openai_types import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from exo_tasks.types import (
+    HealthReply,
+    HostInfo,
+    HostShutdownBody,
+    HostShutdownReply,
+    JobRecord,
+    JobRequest,
+    JobStatus,
+    ReadinessReply,
+    RunnerDetail,
+    RunnerLoadBody,
+    RunnerLoadReply,
+    RunnerShutdownBody,
+    RunnerShutdownReply,
+    RunnerState,
+)
+
+bp = Blueprint("openapi", __name__)
+JSON = "application/json"
+SSE = "text/event-stream"
+PROMETHEUS = "text/plain"
+# A body model and how it is used (read from a request, or written to a response) → its $ref.
+Refs = dict[tuple[Any, JsonSchemaMode], dict[str, Any]]
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    details: Any = None
+
+
+class ErrorReply(BaseModel):
+    """The error shape of every route but the OpenAI-compatible ones (errors.error_response)."""
+
+    error: ErrorDetail
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: Literal["invalid_request_error", "server_error"]
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorReply(BaseModel):
+    """The error shape of the OpenAI-compatible routes, as OpenAI's clients read it."""
+
+    error: OpenAIErrorDetail
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A response: a model (or a list of them), or text of a media type."""
+
+    model: type[BaseModel] | None = None
+    many: bool = False
+    media: str = JSON
+    description: str = "OK"
+    or_events: bool = False  # or, when asked to stream, server-sent events
+
+
+@dataclass(frozen=True)
+class Op:
+    method: str
+    path: str
+    summary: str
+    replies: dict[int, Reply]
+    body: type[BaseModel] | None = None
+    body_required: bool = True
+    errors: tuple[int, ...] = ()
+    query: dict[str, dict[str, Any]] = field(default_factory=dict)
+    openai: bool = False  # errors in OpenAI's shape
+    public: bool = False  # open without the API token
+
+
+def _completion(path: str, what: str, body: type[BaseModel], reply: type[BaseModel]) -> Op:
+    return Op(
+        "post",
+        path,
+        f"OpenAI-compatible {what}; with `stream`, server-sent events",
+        {200: Reply(reply, or_events=True)},
+        body=body,
+        errors=(400, 404, 413, 429, 503),
+        openai=True,
+    )
+
+
+_status = TypeAdapter(JobStatus).json_schema()
+ROUTES: tuple[Op, ...] = (
+    Op("get", "/healthz", "The API process is up", {200: Reply(HealthReply)}, public=True),
+    Op(
+        "get",
+        "/readyz",
+        "Redis answers and a runner is Ready",
+        {200: Reply(ReadinessReply), 503: Reply(ReadinessReply, description="Not ready")},
+        public=True,
+    ),
+    Op("get", "/metrics", "Prometheus metrics", {200: Reply(media=PROMETHEUS)}),
+    Op("get", "/openapi.json", "This document", {200: Reply()}),
+    Op(
+        "post",
+        "/v1/jobs",
+        "Enqueue a job",
+        {202: Reply(JobRecord, description="Queued")},
+        body=JobRequest,
+        errors=(404, 413, 422, 429, 503),
+    ),
+    Op(
+        "get",
+        "/v1/jobs",
+        "Recent jobs, newest first",
+        {200: Reply(JobRecord, many=True)},
+        errors=(422,),
+        query={
+            "status": _status,
+            "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
+        },
+    ),
+    Op("get", "/v1/jobs/{job_id}", "A job", {200: Reply(JobRecord)}, errors=(404,)),
+    Op(
+        "get",
+        "/v1/jobs/{job_id}/stream",
+        "A job's tokens as server-sent events; Last-Event-ID resumes",
+        {200: Reply(media=SSE, description="event: token … then event: done (or error)")},
+        errors=(404,),
+        query={"last_event_id": {"type": "string"}},
+    ),
+    Op(
+        "post",
+        "/v1/jobs/{job_id}/cancel",
+        "Cancel a job",
+        {202: Reply(JobRecord, description="Cancelled, or ending at its runner's next step")},
+        errors=(404, 409),
+    ),
+    Op("get", "/v1/runners", "Every runner", {200: Reply(RunnerState, many=True)}),
+    Op(
+        "post",
+        "/v1/runners",
+        "Load a stopped runner",
+        {202: Reply(RunnerLoadReply)},
+        body=RunnerLoadBody,
+        errors=(404, 409, 413, 422),
+    ),
+    Op("get", "/v1/runners/{runner_id}", "A runner", {200: Reply(RunnerDetail)}, errors=(404,)),
+    Op(
+        "post",
+        "/v1/runners/{runner_id}/shutdown",
+        "Stop a runner (warm or hard)",
+        {202: Reply(RunnerShutdownReply)},
+        body=RunnerShutdownBody,
+        body_required=False,
+        errors=(404, 409, 413, 422),
+    ),
+    Op("get", "/v1/hosts", "Live workers", {200: Reply(HostInfo, many=True)}),
+    Op(
+        "post",
+        "/v1/hosts/{host}/shutdown",
+        "Stop a worker (warm or cold)",
+        {202: Reply(HostShutdownReply)},
+        body=HostShutdownBody,
+        body_required=False,
+        errors=(404, 413, 422),
+    ),
+    _completion("/v1/chat/completions", "chat completion", ChatCompletionRequest, ChatCompletion),
+    _completion("/v1/completions", "completion", CompletionRequest, Completion),
+    Op("get", "/v1/models", "Served models", {200: Reply(ModelList)}, openai=True),
+    Op(
+        "get",
+        "/v1/models/{model}",
+        "A served model",
+        {200: Reply(ModelCard)},
+        errors=(404,),
+        openai=True,
+    ),
+)
+
+
+def _schemas() -> tuple[Refs, dict[str, Any]]:
+    """A $ref for every body model, and the shared component schemas they point to."""
+    keys: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {
+        (ErrorReply, "serialization"): None,
+        (OpenAIErrorReply, "serialization"): None,
+    }
+    for op in ROUTES:
+        if op.body is not None:
+            keys[(op.body, "validation")] = None
+        keys.update({(r.model, "serialization"): None for r in op.replies.values() if r.model})
+    refs, defs = models_json_schema(list(keys), ref_template="#/components/schemas/{model}")
+    return refs, defs.get("$defs", {})
+
+
+def _content(reply: Reply, ref: dict[str, Any] | None) -> dict[str, Any]:
+    schema: dict[str, Any] = ref or {"type": "object" if reply.media == JSON else "string"}
+    if reply.many:
+        schema = {"type": "array", "items": schema}
+    content = {reply.media: {"schema": schema}}
+    if reply.or_events:
+        content[SSE] = {"schema": {"type": "string"}}
+    return content
+
+
+def _operation(op: Op, refs: Refs) -> dict[str, Any]:
+    responses: dict[str, Any] = {}
+    for status, reply in op.replies.items():
+        ref = refs[(reply.model, "serialization")] if reply.model else None
+        responses[str(status)] = {"description": reply.description, "content": _content(reply, ref)}
+    error_ref = refs[(OpenAIErrorReply if op.openai else ErrorReply, "serialization")]
+    error = {"description": "An error", "content": _content(Reply(), error_ref)}
+    codes = (*op.errors, *(() if op.public else (401, 503)))
+    for status in sorted(set(codes) - set(op.replies)):
+        responses[str(status)] = error
+    responses["default"] = error
+    operation: dict[str, Any] = {
+        "operationId": op.method + "_" + re.sub(r"[^a-zA-Z0-9]+", "_", op.path).strip("_"),
+        "summary": op.summary,
+        "responses": responses,
+    }
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in _path_params(op.path)
+    ] + [{"name": name, "in": "query", "schema": schema} for name, schema in op.query.items()]
+    if parameters:
+        operation["parameters"] = parameters
+    if op.body is not None:
+        operation["requestBody"] = {
+            "required": op.body_required,
+            "content": {"application/json": {"schema": refs[(op.body, "validation")]}},
+        }
+    if op.public:
+        operation["security"] = []
+    return operation
+
+
+def _path_params(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{")]
+
+
+@cache
+def _paths() -> tuple[dict[str, Any], dict[str, Any]]:
+    refs, components = _schemas()
+    paths: dict[str, Any] = {}
+    for op in ROUTES:
+        paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
+    return paths, components
+
+
+def build_spec(*, token_required: bool) -> dict[str, Any]:
+    paths, components = _paths()
+    spec: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "exo_tasks",
+            "version": "1",
+            "description": "A job queue for LLM inference on a fleet of MLX hosts.",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if token_required:
+        spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        spec["security"] = [{"bearer": []}]
+    return spec
+
+
+@bp.get("/openapi.json")
+def openapi_json() -> Response:
+    return jsonify(build_spec(token_required=ctx().settings.api_token is not None))

@@ -1,0 +1,46 @@
+"""Caps on what one request may ask for: each refusal names its limit and its setting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Stack, api_settings
+from tests.stack import Api
+
+
+@pytest.fixture
+def capped(stack: Stack, tiny_model: Path) -> Iterator[Api]:
+    api = Api(api_settings(stack.redis.url, [tiny_model], max_prompt_chars=50, max_body_bytes=2000))
+    yield api
+    api.close()
+
+
+def test_a_prompt_over_the_cap_is_422_naming_the_limit(capped: Api) -> None:
+    for body, field in (
+        ({"prompt": "p" * 51}, "prompt"),
+        ({"messages": [{"role": "user", "content": "m" * 30}] * 2}, "messages"),
+    ):
+        response = capped.post("/v1/jobs", json=body)
+        assert response.status_code == 422
+        error = response.json()["error"]
+        assert [d["field"] for d in error["details"]] == [field]
+        assert "at most 50 (EXO_MAX_PROMPT_CHARS)" in error["message"]
+    assert capped.post("/v1/jobs", json={"prompt": "p" * 50, "max_tokens": 1}).status_code == 202
+
+
+def test_a_body_over_the_cap_is_413_naming_the_limit(capped: Api) -> None:
+    response = capped.post("/v1/jobs", json={"prompt": "p" * 3000})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["type"] == "request_entity_too_large"
+    assert "2000 bytes (EXO_MAX_BODY_BYTES)" in error["message"]
+    assert error["details"] == {"limit_bytes": 2000}
+
+
+def test_max_tokens_over_the_cap_is_422_naming_the_limit(capped: Api) -> None:
+    response = capped.post("/v1/jobs", json={"prompt": "p", "max_tokens": 4097})
+    assert response.status_code == 422
+    assert "at most 4096 (EXO_MAX_TOKENS)" in response.json()["error"]["message"]
