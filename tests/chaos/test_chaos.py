@@ -25,12 +25,16 @@ from exo_tasks.types import TERMINAL_JOB_STATUSES
 from tests.chaos.conftest import Case, Report
 from tests.conftest import api_settings
 from tests.stack import (
+    EXO_TASKS,
     Api,
     Processes,
     RedisServer,
     Worker,
+    exo_env,
+    free_port,
     start_redis,
     start_worker,
+    wait_http,
     wait_runner_ready,
     wait_until,
 )
@@ -318,34 +322,64 @@ def test_a_pickled_message_is_refused_and_logged(chaos: Chaos, reliability: Repo
 
 
 def test_secrets_never_reach_logs_or_error_bodies(
-    processes: Processes, tiny_model: Path, tmp_path: Path, reliability: Report
+    processes: Processes,
+    tiny_model: Path,
+    tmp_path: Path,
+    reliability: Report,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    secret = "s3cret-redis-pass-4711"
+    redis_pass, token, flower_pass = "s3cret-redis-4711", "s3cret-token-4712", "s3cret-flower-4713"
     redis = start_redis(processes, tmp_path / "redis")
-    Store.from_url(redis.url).redis.config_set("requirepass", secret)
-    url = f"redis://:{secret}@127.0.0.1:{redis.port}/0"
-    worker = start_worker(processes, url, "chaos-secret", [tiny_model], tmp_path)
-    store = Store.from_url(url)
-    wait_runner_ready(store, worker)
-    api = Api(api_settings(url, [tiny_model]))
+    Store.from_url(redis.url).redis.config_set("requirepass", redis_pass)
+    url = f"redis://:{redis_pass}@127.0.0.1:{redis.port}/0"
+    secrets = {"api_token": token, "flower_basic_auth": f"admin:{flower_pass}"}
+    worker = start_worker(processes, url, "chaos-secret", [tiny_model], tmp_path, **secrets)
+    wait_runner_ready(Store.from_url(url), worker)
+    flower_port = free_port()
+    flower = processes.start(
+        [EXO_TASKS, "flower"],
+        exo_env(redis_url=url, flower_port=flower_port, **secrets),
+        tmp_path / "flower.log",
+    )
+    wait_http(f"http://127.0.0.1:{flower_port}/healthcheck", flower, tmp_path / "flower.log")
+    api = Api(api_settings(url, [tiny_model], api_token=token))
+    auth = {"Authorization": f"Bearer {token}"}
     try:
-        job = api.wait_job(api.submit(prompt="hi", max_tokens=4))
-        assert job["status"] == "succeeded"
+        created = api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
+        job_id = created.json()["id"]
+        job = wait_until(
+            lambda: (
+                (j := api.get(f"/v1/jobs/{job_id}", headers=auth).json())["status"] == "succeeded"
+                and j
+            ),
+            30,
+            "the job",
+        )
         bodies = [
-            api.post("/v1/jobs", json={"prompt": 1}).text,
-            api.get("/v1/jobs/none").text,
-            api.post("/v1/jobs", data="{").text,
+            api.post("/v1/jobs", json={"prompt": 1}, headers=auth).text,
+            api.get("/v1/jobs/none", headers=auth).text,
+            api.get("/v1/jobs", headers={"Authorization": "Bearer wrong"}).text,
+            api.get("/v1/jobs").text,
+            requests.get(f"http://127.0.0.1:{flower_port}/api/workers", timeout=5).text,
         ]
     finally:
         api.close()
-    for text in [worker.log_text(), (tmp_path / "redis" / "redis.log").read_text(), *bodies]:
-        assert secret not in text
+    assert job["status"] == "succeeded"
+    texts = [
+        worker.log_text(),
+        (tmp_path / "flower.log").read_text(errors="replace"),
+        (tmp_path / "redis" / "redis.log").read_text(),
+        caplog.text,
+        *bodies,
+    ]
+    for secret in (redis_pass, token, flower_pass):
+        assert not [t for t in texts if secret in t], secret
     reliability.add(
         Case(
-            "Redis password in the URL",
+            "secrets: Redis password, API token, Flower password",
             1,
-            "grep of logs and error bodies",
+            "grep of worker, Flower, Redis and API logs and of error bodies",
             0,
-            ["the password appears in no log line and no error body"],
+            ["no secret appears in any log line or error body"],
         )
     )

@@ -1,0 +1,88 @@
+"""Property-based fuzzing of every route with schemathesis, against /openapi.json of the live
+API (its own redis-server and a worker with the tiny model): no 5xx, and every 4xx in the
+documented error shape."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.core.result import Err, Ok
+
+from exo_tasks.store import Store
+from tests.chaos.conftest import Case, Report
+from tests.conftest import api_settings
+from tests.stack import Api, Processes, start_redis, start_worker, wait_runner_ready
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
+@dataclass
+class Fuzzed:
+    api: Api
+    statuses: Counter[int]
+
+
+@pytest.fixture(scope="module")
+def fuzzed(
+    session_processes: Processes,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    reliability: Report,
+) -> Iterator[Fuzzed]:
+    data_dir = tmp_path_factory.mktemp("fuzz")
+    redis = start_redis(session_processes, data_dir / "redis")
+    worker = start_worker(session_processes, redis.url, "fuzz-host", [tiny_model], data_dir)
+    wait_runner_ready(Store.from_url(redis.url), worker)
+    # Small caps keep generated jobs short; short limits bound a request that waits on a job.
+    api = Api(api_settings(redis.url, [tiny_model], max_tokens=16, job_soft_time_limit_s=5))
+    target = Fuzzed(api, Counter())
+    yield target
+    api.close()
+    reliability.add(
+        Case(
+            "schemathesis over every route of /openapi.json",
+            sum(target.statuses.values()),
+            "generated requests",
+            0,
+            [
+                f"statuses {dict(sorted(target.statuses.items()))}",
+                "no 5xx; every 4xx in the error shape",
+            ],
+        )
+    )
+
+
+def test_no_route_answers_5xx_and_every_4xx_has_the_error_shape(fuzzed: Fuzzed) -> None:
+    schema = schemathesis.openapi.from_url(f"{fuzzed.api.url}/openapi.json")
+    results = list(schema.get_all_operations())
+    invalid = [r.err() for r in results if isinstance(r, Err)]
+    assert not invalid, invalid  # the spec describes every route in valid OpenAPI
+    operations = [r.ok() for r in results if isinstance(r, Ok)]
+    assert len(operations) >= 17  # every route of the API is in the spec
+
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(
+            max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        def answers_in_shape(case: Any) -> None:
+            response = case.call(base_url=fuzzed.api.url, timeout=30)
+            fuzzed.statuses[response.status_code] += 1
+            where = (case.method, case.formatted_path, response.text[:300])
+            assert response.status_code < 500, where
+            if response.status_code >= 400:
+                error = response.json()["error"]
+                assert isinstance(error["message"], str) and error["message"], where
+                assert "type" in error, where
+                if not case.formatted_path.startswith(OPENAI_PATHS):
+                    assert "details" in error, where
+
+        answers_in_shape()
