@@ -24,7 +24,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 typecheck: setup
-	$(BIN)/mypy exo_tasks config tests
+	$(BIN)/mypy exo_tasks config tests bench
 
 test: lint typecheck
 	$(BIN)/pytest -q -ra --durations=10

@@ -4,6 +4,7 @@ measured over fixed-duration windows (not fixed job counts, so slow contenders t
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -16,8 +17,11 @@ ERROR_PAUSE_S = 0.2
 
 
 def prompt_for(client: int, request: int) -> str:
-    """A distinct prompt per request, so no contender can answer from a prompt cache."""
-    return f"Client {client}, request {request}: once upon a time"
+    """A distinct prompt per request that differs from the others from its first character,
+    so mlx_lm.server's prompt cache (a KV cache reused for a shared prefix) never shortens a
+    prefill: both contenders prefill every prompt in full."""
+    tag = hashlib.sha256(f"{client}/{request}".encode()).hexdigest()[:8]
+    return f"{tag}: client {client}, request {request}, once upon a time"
 
 
 @dataclass
@@ -82,10 +86,13 @@ def closed_loop(
     windows: int,
     window_s: float,
     ramp_timeout_s: float = 120.0,
+    first_tokens_timeout_s: float = 0.0,
 ) -> LoadRun:
-    """Run `clients` clients until every one has its first token (the ramp), then measure
-    `windows` consecutive windows of `window_s`. Requests still in flight at the end are left
-    to the caller, who stops the contender."""
+    """Run `clients` clients through the ramp, then measure `windows` consecutive windows of
+    `window_s`. Then no new request is sent; with `first_tokens_timeout_s`, the requests sent
+    inside the windows are waited for until each has its first token (their TTFT would be
+    missing otherwise, and only the fast ones counted). Requests still in flight at the end are
+    left to the caller, who stops the contender."""
     stop = threading.Event()
     traces: list[Trace] = []
     lock = threading.Lock()
@@ -109,14 +116,29 @@ def closed_loop(
         threading.Thread(target=loop, args=(index,), name=f"client-{index}", daemon=True).start()
         time.sleep(STAGGER_S)
     deadline = time.monotonic() + ramp_timeout_s
-    while time.monotonic() < deadline and not all(t and t.token_times for t in firsts):
+    while time.monotonic() < deadline and not _ramped(firsts):
         time.sleep(0.05)
     start = time.monotonic()
     measured = [Window(start + i * window_s, start + (i + 1) * window_s) for i in range(windows)]
     time.sleep(windows * window_s)
     stop.set()
+    end = measured[-1].end
+    deadline = time.monotonic() + first_tokens_timeout_s
+    while time.monotonic() < deadline and any(
+        t.started < end and not t.token_times and not t.error for t in list(traces)
+    ):
+        time.sleep(0.05)
     with lock:
         return LoadRun(list(traces), measured, max_tokens)
+
+
+def _ramped(firsts: list[Trace | None]) -> bool:
+    """The ramp ends once every client has its first token, or once a first request has ended
+    (a server that serves one job at a time is in its steady state from then on)."""
+    started = [t for t in firsts if t is not None]
+    if len(started) < len(firsts):
+        return False
+    return all(t.token_times for t in started) or any(t.ended for t in started)
 
 
 def sequential(client: Client, count: int, max_tokens: int, tag: str) -> list[Trace]:

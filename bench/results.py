@@ -10,10 +10,11 @@ EXO = "exo_tasks"
 MLX_SERVER = "mlx_lm.server"
 UNBATCHED = "exo_tasks, one job at a time"
 IN_PROCESS = "stream_generate in process"
+Op = Literal[">=", "<="]
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0–100), interpolated between the closest ranks."""
+    """The q-th percentile (0-100), interpolated between the closest ranks."""
     if not values:
         raise ValueError("no values")
     ordered = sorted(values)
@@ -72,9 +73,9 @@ class Target:
     name: str
     measured: Measurement
     reference: Measurement | None
-    op: Literal[">=", "<="]
+    op: Op
     bound: float
-    unit: str = "×"
+    unit: str = "x"
 
     @property
     def value(self) -> float:

@@ -7,7 +7,6 @@ import json
 import logging
 import threading
 import time
-from datetime import datetime
 
 from bench.clients import REQUEST_ERRORS, Connection
 from bench.config import Config
@@ -18,7 +17,7 @@ from exo_tasks.types import TERMINAL_JOB_STATUSES
 
 log = logging.getLogger("bench")
 SECTION = "queue_scale"
-DRAIN_TIMEOUT_S = 900.0
+STALL_S = 30.0
 BACKOFF_S = 0.05
 
 
@@ -40,20 +39,22 @@ def _send(url: str, prefix: str, count: int, ids: list[str]) -> None:
             time.sleep(BACKOFF_S)
 
 
-def _wait_drained(store: Store, ids: list[str]) -> None:
+def _wait_drained(store: Store, ids: list[str]) -> int:
+    """Wait until every job has ended, or until none has for STALL_S; returns how many did
+    not end."""
     pending = list(ids)
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while pending:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(pending)} jobs not finished after {DRAIN_TIMEOUT_S}s")
+    progress_at = time.monotonic()
+    while pending and time.monotonic() - progress_at < STALL_S:
+        time.sleep(0.5)
         pipe = store.redis.pipeline(transaction=False)
         for job_id in pending:
             pipe.hget(job_key(job_id), "status")
         statuses = pipe.execute()
-        pending = [
-            j for j, s in zip(pending, statuses, strict=True) if s not in TERMINAL_JOB_STATUSES
-        ]
-        time.sleep(0.5)
+        left = [j for j, s in zip(pending, statuses, strict=True) if s not in TERMINAL_JOB_STATUSES]
+        if len(left) < len(pending):
+            progress_at = time.monotonic()
+        pending = left
+    return len(pending)
 
 
 def run(lab: Lab, config: Config, results: Results) -> None:
@@ -83,18 +84,20 @@ def _run_once(lab: Lab, config: Config, results: Results) -> None:
         for sender in senders:
             sender.join()
         enqueue_s = time.monotonic() - started
-        _wait_drained(stack.store, ids)
+        unfinished = _wait_drained(stack.store, ids)
         records = [stack.store.get_job(job_id) for job_id in ids]
-        jobs = [r for r in records if r is not None]
+        jobs = [r for r in records if r is not None and r.finished_at is not None]
         first = min(j.created_at for j in jobs)
-        last = max(j.finished_at or datetime.max.astimezone() for j in jobs)
+        last = max(j.finished_at for j in jobs if j.finished_at is not None)
         succeeded = sum(1 for j in jobs if j.status == "succeeded")
         memory = stack.store.redis.info("memory")
     finally:
         lab.stop(stack.processes)
     results.sample(SECTION, "enqueue rate", EXO, "jobs/s", len(ids) / enqueue_s)
-    results.sample(SECTION, "drain rate", EXO, "jobs/s", len(ids) / (last - first).total_seconds())
+    results.sample(SECTION, "drain rate", EXO, "jobs/s", len(jobs) / (last - first).total_seconds())
     results.sample(SECTION, "peak Redis memory", EXO, "MiB", memory["used_memory_peak"] / 2**20)
     row = results.find(SECTION, "drain rate", EXO)
     if row is not None:
         row.note = f"{succeeded} of {len(ids)} jobs succeeded"
+        if unfinished:
+            row.note += f"; {unfinished} never ended (none ended for {STALL_S:.0f}s)"

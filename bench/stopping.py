@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import psutil
 import requests
@@ -23,6 +24,7 @@ from bench.config import Config
 from bench.contenders import START_TIMEOUT_S, Lab, start_exo, start_mlx_server
 from bench.load import prompt_for
 from bench.results import EXO, MLX_SERVER, Results
+from exo_tasks.store import Store
 from exo_tasks.types import runner_id_for
 from tests.stack import start_worker, wait_runner_ready, wait_until
 
@@ -31,8 +33,10 @@ SECTION = "stopping"
 IDLE = "idle stop"
 WARM = "stop with jobs in flight"
 KILL = "SIGKILL with jobs in flight"
-IN_FLIGHT_TOKENS = 400
+IN_FLIGHT_TOKENS = 1000
 GONE_TIMEOUT_S = 60.0
+# After the stop: in-flight requests that have not ended by then never will.
+FINISH_WAIT_S = 5.0
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -40,7 +44,7 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [parent, *parent.children(recursive=True)]
 
 
-def _time_until_gone(procs: list[psutil.Process], stop: Callable[[], None]) -> float:
+def _time_until_gone(procs: list[psutil.Process], stop: Callable[[], object]) -> float:
     """Milliseconds from calling `stop` until every process in `procs` has exited."""
     started = time.monotonic()
     stop()
@@ -68,17 +72,22 @@ class InFlight:
     def wait_streaming(self) -> None:
         wait_until(lambda: all(t.token_times for t in self.traces), 60, "in-flight tokens")
 
-    def finished(self) -> str:
+    def running(self) -> list[Trace]:
+        return [t for t in self.traces if t.ended is None and not t.error]
+
+    def finished(self, at_stop: list[Trace]) -> str:
+        """What became of the requests that were running when the stop was requested."""
+        deadline = time.monotonic() + FINISH_WAIT_S
         for thread in self.threads:
-            thread.join(timeout=10)
-        done = sum(1 for t in self.traces if t.latency_s is not None)
-        return f"{done} of {len(self.traces)} in-flight jobs finished"
+            thread.join(timeout=max(deadline - time.monotonic(), 0))
+        done = sum(1 for t in at_stop if t.latency_s is not None)
+        return f"{len(at_stop)} in flight at the stop, {done} of them finished"
 
 
 def run(lab: Lab, config: Config, results: Results) -> None:
     log.info("stopping: %s", EXO)
     _exo_idle(lab, config, results)
-    notes: dict[str, str] = {}
+    notes: dict[tuple[str, str], str] = {}
     for _ in range(config.repeats):
         notes.update(_exo_in_flight(lab, config, results))
     log.info("stopping: %s", MLX_SERVER)
@@ -90,6 +99,11 @@ def run(lab: Lab, config: Config, results: Results) -> None:
             row.note = note
 
 
+def _restarted(store: Store, runner_id: str, old_pid: int) -> bool:
+    state = store.get_runner(runner_id)
+    return state is not None and state.pid != old_pid and state.status.accepts_jobs
+
+
 def _exo_idle(lab: Lab, config: Config, results: Results) -> None:
     """Shut the idle runner down through the API (warm), then load it again, `repeats` times."""
     stack = start_exo(lab, "exo-stop-idle", config.tiny_model)
@@ -99,16 +113,18 @@ def _exo_idle(lab: Lab, config: Config, results: Results) -> None:
         for _ in range(config.repeats):
             state = wait_runner_ready(stack.store, worker, stack.model)
             assert state.pid is not None
-            shutdown = f"{stack.url}/v1/runners/{runner_id}/shutdown"
-            elapsed = _time_until_gone(
-                [psutil.Process(state.pid)],
-                lambda: requests.post(shutdown, json={"mode": "warm"}, timeout=10),
+            shutdown = partial(
+                requests.post,
+                f"{stack.url}/v1/runners/{runner_id}/shutdown",
+                json={"mode": "warm"},
+                timeout=10,
             )
+            elapsed = _time_until_gone([psutil.Process(state.pid)], shutdown)
             results.sample(SECTION, IDLE, EXO, "ms", elapsed)
             load = {"model": stack.model, "host": worker.host}
             requests.post(f"{stack.url}/v1/runners", json=load, timeout=10)
             wait_until(
-                lambda: (s := stack.store.get_runner(runner_id)) and s.pid != state.pid,
+                partial(_restarted, stack.store, runner_id, state.pid),
                 START_TIMEOUT_S,
                 "the runner to load again",
             )
@@ -132,13 +148,13 @@ def _exo_in_flight(lab: Lab, config: Config, results: Results) -> dict[tuple[str
             else:
                 worker = stack.workers[0]
             jobs = InFlight(
-                lambda: ExoClient(stack.url, ignore_eos=True), config.stop_jobs_in_flight
+                partial(ExoClient, stack.url, ignore_eos=True), config.stop_jobs_in_flight
             )
             jobs.wait_streaming()
-            pid = worker.pid
-            elapsed = _time_until_gone(_tree(pid), lambda p=pid, s=sig: os.kill(p, s))
+            pid, at_stop = worker.pid, jobs.running()
+            elapsed = _time_until_gone(_tree(pid), partial(os.kill, pid, sig))
             results.sample(SECTION, name, EXO, "ms", elapsed)
-            notes[(name, EXO)] = jobs.finished()
+            notes[(name, EXO)] = jobs.finished(at_stop)
     finally:
         lab.stop(stack.processes)
     return notes
@@ -153,13 +169,13 @@ def _mlx(lab: Lab, config: Config, results: Results) -> dict[tuple[str, str], st
     ):
         server = start_mlx_server(lab, "mlx-stop", config.tiny_model)
         try:
-            jobs = InFlight(lambda s=server.url: MlxServerClient(s), in_flight)
+            jobs = InFlight(partial(MlxServerClient, server.url), in_flight)
             jobs.wait_streaming()
-            pid = server.processes.started[0].pid
-            elapsed = _time_until_gone(_tree(pid), lambda p=pid, s=sig: os.kill(p, s))
+            pid, at_stop = server.processes.started[0].pid, jobs.running()
+            elapsed = _time_until_gone(_tree(pid), partial(os.kill, pid, sig))
             results.sample(SECTION, name, MLX_SERVER, "ms", elapsed)
             if in_flight:
-                notes[(name, MLX_SERVER)] = jobs.finished()
+                notes[(name, MLX_SERVER)] = jobs.finished(at_stop)
         finally:
             lab.stop(server.processes)
     return notes

@@ -47,6 +47,7 @@ log = logging.getLogger("exo_tasks.runner")
 INBOX_POLL_S = 1.0
 REDIS_RETRY_S = 0.5
 IDLE_WAIT_S = 0.5
+STATE_DELAY_S = 0.05
 
 
 class RunnerSpec(BaseModel):
@@ -155,6 +156,7 @@ class Runner:
         self.observations = metrics.Observations()  # sent with the tokens
         self.unsent_endings: list[JobRecord] = []
         self.state_unpublished = False
+        self.state_due: float | None = None  # when the jobs' comings and goings get published
 
     # --- status ---
 
@@ -268,17 +270,38 @@ class Runner:
                 time.sleep(REDIS_RETRY_S)
 
     def _flush(self) -> None:
-        """Send the tokens and job endings not yet in Redis (kept here while it is down)."""
-        if self.unsent_tokens or self.observations:
-            self.store.append_tokens(self.unsent_tokens, self.observations)
-            self.unsent_tokens = []
-        while self.unsent_endings:
-            final = self.unsent_endings[0]
-            self.store.finish_job(final)
-            self.store.release_job(self.spec.runner_id, final.id)
-            self.unsent_endings.pop(0)
-        if self.state_unpublished:
-            self.publish()
+        """Send the tokens and job endings not yet in Redis (kept here while it is down), with
+        the metrics observed since the last flush; then the runner's state if jobs came or
+        went."""
+        wrote = bool(self.unsent_tokens or self.unsent_endings)
+        if wrote:
+            self.store.write_step(
+                self.spec.runner_id, self.unsent_tokens, self.observations, self.unsent_endings
+            )
+            self.unsent_tokens, self.unsent_endings = [], []
+        due = self.state_due is not None and (wrote or time.monotonic() >= self.state_due)
+        if due or self.state_unpublished:
+            self._publish_jobs()
+
+    def _jobs_changed(self) -> None:
+        """Publish Running/Ready and active_jobs with the next tokens or endings, after them (the
+        client waiting on them does not wait for this write too), or after STATE_DELAY_S: a job
+        that starts and ends in between costs no write at all."""
+        if self.state_due is None:
+            self.state_due = time.monotonic() + STATE_DELAY_S
+
+    def _publish_jobs(self) -> None:
+        self.state_due = None
+        status = self.state.status
+        if self.stop_request is None:
+            status = RunnerStatus.RUNNING if self.active else RunnerStatus.READY
+        unchanged = (
+            status == self.state.status
+            and len(self.active) == self.state.active_jobs
+            and self.engine.largest_batch == self.state.largest_batch
+        )
+        if not unchanged or self.state_unpublished:
+            self.publish(status)
 
     def _take_commands(self, *, block: bool) -> None:
         try:
@@ -344,7 +367,7 @@ class Runner:
         self._observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
         self._record_progress(progressed=True)
         log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt_tokens)})
-        self.publish(RunnerStatus.RUNNING)
+        self._jobs_changed()
 
     def _step(self) -> None:
         deltas = self.engine.step()
@@ -411,8 +434,7 @@ class Runner:
 
     def _after_job_left(self) -> None:
         self._record_progress(progressed=False)
-        idle = not self.active and self.stop_request is None
-        self.publish(RunnerStatus.READY if idle else None)  # active_jobs stays current
+        self._jobs_changed()
 
     def _end_all(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> None:
         for job_id in list(self.active):

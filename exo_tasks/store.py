@@ -155,6 +155,15 @@ class Store:
         """Write `job` if its stored status is one of `allowed_from`, appending `event` to its
         stream in the same step. A terminal status appends the stream's last event and starts
         the record's expiry. True if written."""
+        args = self._transition_args(job, allowed_from, event)
+        written = bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
+        if written and job.is_terminal:  # counted once: only the first ending is written
+            self.write_metrics(metrics.job_ended(job))
+        return written
+
+    def _transition_args(
+        self, job: JobRecord, allowed_from: Iterable[str], event: JobEvent | None
+    ) -> list[str | int]:
         event_name, event_data, ttl = "", "", 0
         if job.is_terminal:
             event = DoneEvent(event="error" if job.status == "failed" else "done", job=job)
@@ -163,10 +172,37 @@ class Store:
             event_name, event_data = event.event, event.model_dump_json()
         args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data, ttl]
         args.extend(allowed_from)
-        written = bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
-        if written and job.is_terminal:  # counted once: only the first ending is written
-            self.write_metrics(metrics.job_ended(job))
-        return written
+        return args
+
+    def write_step(
+        self,
+        runner_id: str,
+        tokens: list[tuple[str, TokenEvent]],
+        observations: metrics.Observations,
+        endings: list[JobRecord],
+    ) -> None:
+        """A runner's step in one round trip: its tokens and metrics, then the jobs it ended
+        (each written only if still active: first writer wins) and their release. The ended
+        jobs' metrics follow, for the endings that were written."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, token in tokens:
+            pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
+        observations.write(pipe)
+        for job in endings:
+            # EVAL, not the registered script's EVALSHA: a pipeline would first ask whether the
+            # script is loaded, one more round trip each time.
+            args = self._transition_args(job, ACTIVE_STATUSES, None)
+            pipe.eval(_TRANSITION, 2, job_key(job.id), events_key(job.id), *args)
+            pipe.srem(f"{runner_key(runner_id)}:jobs", job.id)
+        replies = pipe.execute()
+        observations.clear()
+        written = replies[len(replies) - 2 * len(endings) :: 2]
+        ended = [metrics.job_ended(job) for job, ok in zip(endings, written, strict=True) if ok]
+        if ended:
+            pipe = self.redis.pipeline(transaction=False)
+            for counts in ended:
+                counts.write(pipe)
+            pipe.execute()
 
     def finish_job(self, job: JobRecord) -> bool:
         """Move an active job to its terminal status (first writer wins)."""
@@ -202,21 +238,6 @@ class Store:
         )
 
     # --- a job's event stream ---
-
-    def append_tokens(
-        self,
-        tokens: Iterable[tuple[str, TokenEvent]],
-        observations: metrics.Observations | None = None,
-    ) -> None:
-        """Append one step's tokens for many jobs, and the step's metrics, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, token in tokens:
-            pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
-        if observations:
-            observations.write(pipe)
-        pipe.execute()
-        if observations:
-            observations.clear()
 
     def read_events(
         self, job_id: str, after: str = "0-0", block_ms: int | None = None

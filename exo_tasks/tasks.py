@@ -64,7 +64,9 @@ def _app(task: Task[Any, Any]) -> ExoCelery:
     return cast(ExoCelery, task.app)
 
 
-@shared_task(name=INFERENCE_TASK, bind=True, base=InferenceTask)
+# No STARTED state in the result backend: the job record already says `running`, and the
+# write (a SET and a PUBLISH) would sit between every job's delivery and its hand-over.
+@shared_task(name=INFERENCE_TASK, bind=True, base=InferenceTask, track_started=False)
 def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
     """Run one job on this host's runner for its model; the job record holds the result."""
     app = _app(self)
@@ -88,7 +90,10 @@ def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
             store, runner_id, settings.runner_start_timeout_s, pinned=job.request.host is not None
         )
         hard_limit = (self.request.timelimit or (None, None))[0] or settings.job_hard_time_limit_s
-        after = store.last_event_id(job_id)
+        # A first attempt's stream is empty (ending or requeueing a job appends to it): no
+        # round trip to find where to follow it from.
+        first = job.status == "queued" and job.attempts == 0
+        after = "0-0" if first else store.last_event_id(job_id)
         store.send_to_runner(runner_id, SubmitJob(job_id=job_id, deadline=time.time() + hard_limit))
         log.info("job handed to runner", extra=extra)
         progress = Progress(self, job.request.max_tokens)
@@ -165,6 +170,7 @@ def _follow(
     """Wait for the job's last event after stream position `after`. Returns the final record;
     never waits on a dead runner. A job its runner put back on the queue is rejected with
     requeue, so Celery delivers it again (after a restart, or to another host)."""
+    check_at = time.monotonic() + WAIT_SLICE_MS / 1000
     while True:
         try:
             events = store.read_events(job_id, after, block_ms=WAIT_SLICE_MS)
@@ -176,6 +182,11 @@ def _follow(
                     raise Reject("runner stopped before the job finished; requeued", requeue=True)
             if progress is not None:
                 progress.advance(sum(isinstance(e, TokenEvent) for _, e in events))
+            # Whoever ends the job appends its DoneEvent, so the checks below are only for a
+            # runner that died silently: once a slice, not after every token.
+            if events and time.monotonic() < check_at:
+                continue
+            check_at = time.monotonic() + WAIT_SLICE_MS / 1000
             current = store.get_runner(runner.id)
             if current is None or current.pid != runner.pid or current.status.is_final:
                 store.fail_job(job_id, f"runner {runner.id} stopped while running the job")

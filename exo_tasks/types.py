@@ -90,10 +90,20 @@ class SamplingParams(WireModel):
 class JobRequest(SamplingParams):
     """Body of POST /v1/jobs."""
 
+    # Exactly one of prompt and messages, said in the schema too (GET /openapi.json).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
+
     model: str | None = None
     prompt: str | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    host: str | None = None
+    host: str | None = Field(None, min_length=1)
     priority: Priority = "normal"
     timeout_s: float | None = Field(None, gt=0)
 

@@ -74,9 +74,9 @@ def test_a_model_no_live_host_serves_is_404_naming_the_served_models(
     assert stack.store.redis.zcard("exo:jobs") == before
 
 
-def test_pinning_to_a_host_without_the_model_is_422(stack: Stack, fleet: TwoHosts) -> None:
+def test_pinning_to_a_host_without_the_model_is_404(stack: Stack, fleet: TwoHosts) -> None:
     response = stack.api.post("/v1/jobs", json={"prompt": "a", "model": "beta", "host": "fleet-x"})
-    assert response.status_code == 422
+    assert response.status_code == 404
     error = response.json()["error"]
     assert error["details"]["field"] == "host"
     assert "fleet-x" in error["message"] and "beta" in error["message"]

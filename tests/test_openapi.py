@@ -48,6 +48,11 @@ def test_request_bodies_are_the_pydantic_models(spec: dict[str, Any]) -> None:
     assert set(schema["properties"]) == set(JobRequest.model_fields)
     assert schema["additionalProperties"] is False
     assert schema["properties"]["priority"]["enum"] == ["high", "normal", "low"]
+    # The configured caps, which pydantic only knows at validation time.
+    assert schema["properties"]["max_tokens"]["maximum"] == 4096
+    assert {"type": "string", "minLength": 1, "maxLength": 100_000} in (
+        schema["properties"]["prompt"]["anyOf"]
+    )
 
 
 def resolve(spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:

@@ -190,8 +190,10 @@ def test_a_runner_that_keeps_dying_is_left_failed(
     assert state.next_restart_at is None
     time.sleep(2)
     assert runner_state(stack.store, "sd-flaky").status == "Failed"
-    job = stack.api.wait_job(stack.api.submit(prompt="x", max_tokens=2, host="sd-flaky"))
-    assert job["status"] == "failed" and "tiny@sd-flaky is Failed" in job["error"]
+    # No runner left to take it: refused up front rather than queued to fail.
+    refused = stack.api.post("/v1/jobs", json={"prompt": "x", "host": "sd-flaky"})
+    assert refused.status_code == 503
+    assert "tiny@sd-flaky: Failed" in refused.json()["error"]["message"]
 
 
 def test_a_hung_runner_is_stopped_and_reported_stalled(

@@ -25,6 +25,7 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "a", "stop": [""]}, "stop.0"),
     ({"prompt": "a", "seed": -1}, "seed"),
     ({"prompt": "a", "priority": "urgent"}, "priority"),
+    ({"prompt": "a", "host": ""}, "host"),
     ({"prompt": "a", "timeout_s": 0}, "timeout_s"),
     ({"prompt": "a", "n": 2}, "n"),
     ({"messages": []}, "messages"),
@@ -94,8 +95,8 @@ def test_max_tokens_cap_comes_from_the_context() -> None:
         )
 
 
-def test_pinning_to_a_host_that_does_not_serve_the_model_is_422(stack: Stack) -> None:
+def test_pinning_to_a_host_that_does_not_serve_the_model_is_404(stack: Stack) -> None:
     response = stack.api.post("/v1/jobs", json={"prompt": "a", "host": "elsewhere"})
-    assert response.status_code == 422
+    assert response.status_code == 404
     assert response.json()["error"]["details"]["field"] == "host"
     assert "elsewhere" in response.json()["error"]["message"]

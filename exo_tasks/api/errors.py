@@ -93,7 +93,10 @@ def handle(exc: Exception) -> Response:
         return error_response(413, "request_entity_too_large", message, {"limit_bytes": limit})
     if isinstance(exc, HTTPException):
         code = exc.code or 500
-        return error_response(code, exc.name.lower().replace(" ", "_"), exc.description or "")
+        response = error_response(code, exc.name.lower().replace(" ", "_"), exc.description or "")
+        # What the exception says besides its body, such as `Allow` on a 405 (RFC 9110).
+        response.headers.update({k: v for k, v in exc.get_headers() if k != "Content-Type"})
+        return response
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         log.error("redis unreachable: %s", exc)
         return error_response(503, "unavailable", "the broker (Redis) is unreachable; retry soon")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exo_tasks.errors import InvalidRequest, Unavailable
+from exo_tasks.errors import NotFound, Unavailable
 from exo_tasks.store import Store
 from exo_tasks.types import HostState, RunnerState, host_queue, model_queue, runner_id_for
 
@@ -36,13 +36,13 @@ class Fleet:
         return [r for r in self.runners.values() if r.host == host]
 
     def queue_for(self, model: str, host: str | None) -> str:
-        """The queue for a job on a served `model`, pinned to `host` or not: 422 for a host that
-        does not serve it, 503 when every runner that could take it is down."""
+        """The queue for a job on a served `model`, pinned to `host` or not: 404 when no live
+        host of that name serves it, 503 when every runner that could take it is down."""
         pinned = self.hosts.get(host) if host is not None else None
         if host is not None and (pinned is None or model not in pinned.models):
             live = ", ".join(self.hosts) or "none"
-            raise InvalidRequest(
-                f"host '{host}' does not serve model '{model}' (live hosts: {live})",
+            raise NotFound(
+                f"no live host '{host}' serves model '{model}' (live hosts: {live})",
                 {"field": "host"},
             )
         hosts = [host] if host is not None else [h.name for h in self.hosts.values()]

@@ -3,6 +3,7 @@ response body and a compact table of the routes."""
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from functools import cache
@@ -12,6 +13,7 @@ from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from config.settings import Settings
 from exo_tasks.api.context import ctx
 from exo_tasks.openai_types import (
     ChatCompletion,
@@ -96,6 +98,27 @@ class Op:
     public: bool = False  # open without the API token
 
 
+def _command(
+    path: str,
+    summary: str,
+    body: type[BaseModel],
+    reply: type[BaseModel],
+    errors: tuple[int, ...],
+    *,
+    body_required: bool = True,
+) -> Op:
+    """A POST that starts something on a host: a JSON body, 202 with `reply`."""
+    return Op(
+        "post",
+        path,
+        summary,
+        {202: Reply(reply)},
+        body=body,
+        body_required=body_required,
+        errors=(*errors, 413, 422),
+    )
+
+
 def _completion(path: str, what: str, body: type[BaseModel], reply: type[BaseModel]) -> Op:
     return Op(
         "post",
@@ -156,33 +179,24 @@ ROUTES: tuple[Op, ...] = (
         errors=(404, 409),
     ),
     Op("get", "/v1/runners", "Every runner", {200: Reply(RunnerState, many=True)}),
-    Op(
-        "post",
-        "/v1/runners",
-        "Load a stopped runner",
-        {202: Reply(RunnerLoadReply)},
-        body=RunnerLoadBody,
-        errors=(404, 409, 413, 422),
-    ),
+    _command("/v1/runners", "Load a stopped runner", RunnerLoadBody, RunnerLoadReply, (404, 409)),
     Op("get", "/v1/runners/{runner_id}", "A runner", {200: Reply(RunnerDetail)}, errors=(404,)),
-    Op(
-        "post",
+    _command(
         "/v1/runners/{runner_id}/shutdown",
         "Stop a runner (warm or hard)",
-        {202: Reply(RunnerShutdownReply)},
-        body=RunnerShutdownBody,
+        RunnerShutdownBody,
+        RunnerShutdownReply,
+        (404, 409),
         body_required=False,
-        errors=(404, 409, 413, 422),
     ),
     Op("get", "/v1/hosts", "Live workers", {200: Reply(HostInfo, many=True)}),
-    Op(
-        "post",
+    _command(
         "/v1/hosts/{host}/shutdown",
         "Stop a worker (warm or cold)",
-        {202: Reply(HostShutdownReply)},
-        body=HostShutdownBody,
+        HostShutdownBody,
+        HostShutdownReply,
+        (404,),
         body_required=False,
-        errors=(404, 413, 422),
     ),
     _completion("/v1/chat/completions", "chat completion", ChatCompletionRequest, ChatCompletion),
     _completion("/v1/completions", "completion", CompletionRequest, Completion),
@@ -267,7 +281,27 @@ def _paths() -> tuple[dict[str, Any], dict[str, Any]]:
     return paths, components
 
 
-def build_spec(*, token_required: bool) -> dict[str, Any]:
+# Caps that are configuration: pydantic applies them at validation (as context), so the schemas
+# get them here. Property → (JSON Schema keyword, the type it bounds, the setting).
+CAPS = {
+    "max_tokens": ("maximum", "integer", "max_tokens"),
+    "max_completion_tokens": ("maximum", "integer", "max_tokens"),
+    "prompt": ("maxLength", "string", "max_prompt_chars"),
+}
+
+
+def _with_caps(components: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    capped = copy.deepcopy(components)
+    for schema in capped.values():
+        for name, (keyword, type_, setting) in CAPS.items():
+            prop = schema.get("properties", {}).get(name)
+            for option in prop.get("anyOf", [prop]) if prop else []:
+                if option.get("type") == type_:
+                    option[keyword] = getattr(settings, setting)
+    return capped
+
+
+def build_spec(settings: Settings) -> dict[str, Any]:
     paths, components = _paths()
     spec: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -277,9 +311,9 @@ def build_spec(*, token_required: bool) -> dict[str, Any]:
             "description": "A job queue for LLM inference on a fleet of MLX hosts.",
         },
         "paths": paths,
-        "components": {"schemas": components},
+        "components": {"schemas": _with_caps(components, settings)},
     }
-    if token_required:
+    if settings.api_token is not None:
         spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         spec["security"] = [{"bearer": []}]
     return spec
@@ -287,4 +321,4 @@ def build_spec(*, token_required: bool) -> dict[str, Any]:
 
 @bp.get("/openapi.json")
 def openapi_json() -> Response:
-    return jsonify(build_spec(token_required=ctx().settings.api_token is not None))
+    return jsonify(build_spec(ctx().settings))
