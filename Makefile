@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck unit bench clean
+.PHONY: setup run test lint typecheck bench clean
 
 setup: $(STAMP)
 
