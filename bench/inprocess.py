@@ -23,7 +23,7 @@ def main(model_dir: str, count: int, repeats: int) -> None:
     for repeat in range(repeats):
         latencies = []
         for request in range(count):
-            prompt = prompt_for(0, request) + f" ({repeat})"
+            prompt = prompt_for(0, request, f"overhead {repeat}")
             started = time.perf_counter()
             for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=1):
                 pass

@@ -16,12 +16,13 @@ STAGGER_S = 0.02  # between client starts: 32 connects at once make mlx_lm.serve
 ERROR_PAUSE_S = 0.2
 
 
-def prompt_for(client: int, request: int) -> str:
-    """A distinct prompt per request that differs from the others from its first character,
-    so mlx_lm.server's prompt cache (a KV cache reused for a shared prefix) never shortens a
-    prefill: both contenders prefill every prompt in full."""
-    tag = hashlib.sha256(f"{client}/{request}".encode()).hexdigest()[:8]
-    return f"{tag}: client {client}, request {request}, once upon a time"
+def prompt_for(client: int, request: int, series: str = "load") -> str:
+    """A distinct prompt per request (and per `series` of requests) that differs from every
+    other from its first character, so mlx_lm.server's prompt cache (the KV cache of an earlier
+    prompt, reused for a shared prefix) never shortens a prefill: every prompt is prefilled in
+    full by every contender."""
+    head = hashlib.sha256(f"{series}/{client}/{request}".encode()).hexdigest()[:8]
+    return f"{head}: client {client}, request {request}, once upon a time"
 
 
 @dataclass
@@ -141,11 +142,11 @@ def _ramped(firsts: list[Trace | None]) -> bool:
     return all(t.token_times for t in started) or any(t.ended for t in started)
 
 
-def sequential(client: Client, count: int, max_tokens: int, tag: str) -> list[Trace]:
+def sequential(client: Client, count: int, max_tokens: int, series: str) -> list[Trace]:
     """`count` requests one after another from one client."""
     traces = []
     for request in range(count):
         trace = Trace(time.monotonic())
-        client.run(trace, prompt_for(0, request) + tag, max_tokens)
+        client.run(trace, prompt_for(0, request, series), max_tokens)
         traces.append(trace)
     return traces

@@ -29,10 +29,10 @@ def run(lab: Lab, config: Config, results: Results) -> None:
     stack = start_exo(lab, "exo-overhead", config.tiny_model)
     try:
         client = ExoClient(stack.url, ignore_eos=True)
-        sequential(client, 3, 1, " (warmup)")  # connections, first-use paths
+        sequential(client, 3, 1, "warmup")  # connections, first-use paths
         queued: list[list[float]] = []
         for repeat in range(config.repeats):
-            traces = sequential(client, config.overhead_jobs, 1, f" ({repeat})")
+            traces = sequential(client, config.overhead_jobs, 1, f"overhead {repeat}")
             queued.append([t.latency_s * 1000 for t in traces if t.latency_s is not None])
     finally:
         lab.stop(stack.processes)

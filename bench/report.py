@@ -139,30 +139,16 @@ def chart(results: Results, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     levels = ["1 client", "8 clients", "32 clients"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    _bars(
-        axes[0][0],
-        results,
-        "throughput",
-        [f"tokens/s, {lv}" for lv in levels],
-        "Throughput, bench model (higher is better)",
-    )
-    _bars(
-        axes[0][1],
-        results,
-        "ttft",
-        [f"TTFT p50, {lv}" for lv in levels],
-        "Time to first token p50 (lower is better)",
-    )
-    _bars(
-        axes[1][0],
-        results,
-        "overhead",
-        ["1-token p50", "1-token p95"],
-        "1-token job latency, tiny model (lower is better)",
-    )
     stops = sorted({m.name for m in results.measurements if m.section == "stopping"})
-    _bars(axes[1][1], results, "stopping", stops, "Stop → process gone (lower is better)")
+    panels = [
+        ("throughput", [f"tokens/s, {lv}" for lv in levels], "Throughput, bench model"),
+        ("ttft", [f"TTFT p50, {lv}" for lv in levels], "Time to first token p50, bench model"),
+        ("overhead", ["1-token p50", "1-token p95"], "1-token job latency, tiny model"),
+        ("stopping", stops, "Stop to process gone, tiny model (log scale)"),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for axis, (section, names, title) in zip(axes.flat, panels, strict=True):
+        _bars(axis, results, section, names, title)
     axes[1][1].set_yscale("log")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ class InFlight:
             thread.start()
 
     def _send(self, index: int) -> None:
-        self.make_client().run(self.traces[index], prompt_for(index, 0), IN_FLIGHT_TOKENS)
+        self.make_client().run(self.traces[index], prompt_for(index, 0, "stop"), IN_FLIGHT_TOKENS)
 
     def wait_streaming(self) -> None:
         wait_until(lambda: all(t.token_times for t in self.traces), 60, "in-flight tokens")

@@ -59,7 +59,7 @@ def run(lab: Lab, config: Config, results: Results) -> None:
 
 def _warm_and_cold(running: Running, config: Config, results: Results, contender: str) -> None:
     """The first job after the contender reports ready, then the second one."""
-    first, second = sequential(running.make_client(), 2, config.probe_max_tokens, " (probe)")
+    first, second = sequential(running.make_client(), 2, config.probe_max_tokens, "probe")
     for name, trace in (("first job after start", first), ("second job", second)):
         if trace.latency_s is not None:
             results.sample("warm_cold", name, contender, "ms", trace.latency_s * 1000)
@@ -68,7 +68,7 @@ def _warm_and_cold(running: Running, config: Config, results: Results, contender
 def _ttft_alone(running: Running, config: Config, results: Results, contender: str) -> None:
     client = running.make_client()
     for repeat in range(config.repeats):
-        traces = sequential(client, config.ttft_requests, config.ttft_max_tokens, f" ({repeat})")
+        traces = sequential(client, config.ttft_requests, config.ttft_max_tokens, f"ttft {repeat}")
         ttfts = [t.ttft_s * 1000 for t in traces if t.ttft_s is not None]
         if ttfts:
             results.sample("ttft", "TTFT p50, 1 client", contender, "ms", percentile(ttfts, 50))

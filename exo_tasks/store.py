@@ -183,8 +183,9 @@ class Store:
     ) -> None:
         """A runner's step in one round trip: its tokens and metrics, then the jobs it ended
         (each written only if still active: first writer wins) and their release. The ended
-        jobs' metrics follow, for the endings that were written."""
-        pipe = self.redis.pipeline(transaction=False)
+        jobs' metrics follow, for the endings that were written. One transaction: a reader
+        blocked on a job's stream wakes once, with the step's token and the job's end together."""
+        pipe = self.redis.pipeline(transaction=True)
         for job_id, token in tokens:
             pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
         observations.write(pipe)
@@ -347,6 +348,21 @@ class Store:
         """Hosts whose heartbeat has not expired, by name; expired ones are forgotten."""
         names = sorted(self.redis.smembers(f"{PREFIX}:hosts"))
         raws = self.redis.mget([host_key(n) for n in names]) if names else []
+        return self._live(names, raws)
+
+    def fleet(self) -> tuple[list[HostState], list[RunnerState]]:
+        """`live_hosts()` and `list_runners()` in two round trips, not four: the API reads
+        both for every job it takes."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(f"{PREFIX}:hosts")
+        pipe.smembers(f"{PREFIX}:runners")
+        names, runner_ids = (sorted(members) for members in pipe.execute())
+        keys = [host_key(n) for n in names] + [runner_key(i) for i in runner_ids]
+        raws = self.redis.mget(keys) if keys else []
+        runners = [RunnerState.model_validate_json(raw) for raw in raws[len(names) :] if raw]
+        return self._live(names, raws[: len(names)]), runners
+
+    def _live(self, names: list[str], raws: list[str | None]) -> list[HostState]:
         gone = [name for name, raw in zip(names, raws, strict=True) if raw is None]
         if gone:
             self.redis.srem(f"{PREFIX}:hosts", *gone)

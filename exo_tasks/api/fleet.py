@@ -22,10 +22,8 @@ class Fleet:
 
     @classmethod
     def load(cls, store: Store) -> Fleet:
-        return cls(
-            hosts={h.name: h for h in store.live_hosts()},
-            runners={r.id: r for r in store.list_runners()},
-        )
+        hosts, runners = store.fleet()
+        return cls(hosts={h.name: h for h in hosts}, runners={r.id: r for r in runners})
 
     @property
     def models(self) -> list[str]:
