@@ -181,7 +181,7 @@ class RunnerSupervisor:
         ready = multiprocessing.connection.wait(list(watched), timeout=WATCH_INTERVAL_S)
         # Also poll: a pool child forked during a spawn can hold the sentinel pipe open.
         for sentinel, handle in watched.items():
-            if sentinel in ready or (handle.process and handle.process.exitcode is not None):
+            if sentinel in ready or self._exited(handle.process):
                 self._on_exit(handle)
         self._restart_due()
         self._check_stalls()
@@ -350,20 +350,39 @@ class RunnerSupervisor:
         extra = {"runner": runner_id, "pid": process.pid}
         log.info("stopping runner", extra={**extra, "mode": command.mode, "grace_s": grace_s})
         self.store.send_to_runner(runner_id, command)
-        process.join(grace_s)
-        if process.exitcode is None:
+        if not self._wait_exit(process, grace_s):
             log.warning("runner did not stop within grace; sending SIGTERM", extra=extra)
-            process.terminate()
-            process.join(TERM_WAIT_S)
-        if process.exitcode is None:
+            self._signal(process, signal.SIGTERM)
+        if not self._wait_exit(process, TERM_WAIT_S):
             log.error("runner ignored SIGTERM; sending SIGKILL", extra=extra)
-            process.kill()
-            process.join(KILL_WAIT_S)
-        if process.exitcode is None:
+            self._signal(process, signal.SIGKILL)
+        if not self._wait_exit(process, KILL_WAIT_S):
             log.critical("runner survived SIGKILL; resources may have leaked", extra=extra)
             return "still running"
         self._on_exit(handle)
         return exit_cause(process.exitcode)
+
+    # Reaping (waitpid) happens only under the lock: two threads reaping one child would see a
+    # running process that is already gone, and signal a pid that may have been reused.
+
+    def _exited(self, process: BaseProcess | None) -> bool:
+        with self._lock:
+            return process is not None and process.exitcode is not None
+
+    def _wait_exit(self, process: BaseProcess, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the process to exit, without reaping it unlocked."""
+        deadline = time.monotonic() + timeout_s
+        while not self._exited(process):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            multiprocessing.connection.wait([process.sentinel], min(remaining, WATCH_INTERVAL_S))
+        return True
+
+    def _signal(self, process: BaseProcess, signum: int) -> None:
+        with self._lock:
+            if process.exitcode is None and process.pid is not None:
+                os.kill(process.pid, signum)
 
     def drain(self, window_s: float) -> None:
         """Warm worker shutdown has begun: in-flight jobs get `window_s` to finish; then the
