@@ -344,29 +344,21 @@ class Store:
         pipe.srem(f"{PREFIX}:hosts", host)
         pipe.execute()
 
-    def live_hosts(self) -> list[HostState]:
-        """Hosts whose heartbeat has not expired, by name; expired ones are forgotten."""
-        names = sorted(self.redis.smembers(f"{PREFIX}:hosts"))
-        raws = self.redis.mget([host_key(n) for n in names]) if names else []
-        return self._live(names, raws)
-
     def fleet(self) -> tuple[list[HostState], list[RunnerState]]:
-        """`live_hosts()` and `list_runners()` in two round trips, not four: the API reads
-        both for every job it takes."""
+        """The hosts whose heartbeat has not expired (expired ones are forgotten) and every
+        runner, in two round trips: the API reads both for every job it takes."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.smembers(f"{PREFIX}:hosts")
         pipe.smembers(f"{PREFIX}:runners")
         names, runner_ids = (sorted(members) for members in pipe.execute())
         keys = [host_key(n) for n in names] + [runner_key(i) for i in runner_ids]
         raws = self.redis.mget(keys) if keys else []
-        runners = [RunnerState.model_validate_json(raw) for raw in raws[len(names) :] if raw]
-        return self._live(names, raws[: len(names)]), runners
-
-    def _live(self, names: list[str], raws: list[str | None]) -> list[HostState]:
-        gone = [name for name, raw in zip(names, raws, strict=True) if raw is None]
+        host_raws, runner_raws = raws[: len(names)], raws[len(names) :]
+        gone = [name for name, raw in zip(names, host_raws, strict=True) if raw is None]
         if gone:
             self.redis.srem(f"{PREFIX}:hosts", *gone)
-        return [HostState.model_validate_json(raw) for raw in raws if raw]
+        hosts = [HostState.model_validate_json(raw) for raw in host_raws if raw]
+        return hosts, [RunnerState.model_validate_json(raw) for raw in runner_raws if raw]
 
     # --- metrics ---
 
