@@ -11,6 +11,7 @@ import pytest
 
 from config.settings import Settings
 from exo_tasks.store import Store
+from exo_tasks.types import RunnerState
 from tests.stack import (
     Api,
     Processes,
@@ -19,6 +20,7 @@ from tests.stack import (
     start_redis,
     start_worker,
     wait_runner_ready,
+    wait_until,
 )
 
 
@@ -119,3 +121,37 @@ def fleet(
     for worker, model in ((x, "alpha"), (y, "alpha"), (y, "beta")):
         wait_runner_ready(store, worker, model)
     return TwoHosts(x=x, y=y)
+
+
+# --- helpers for tests that run a worker of their own (pinned jobs, real signals) ---
+
+LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
+
+
+def runner_state(store: Store, host: str) -> RunnerState:
+    state = store.get_runner(f"tiny@{host}")
+    assert state is not None
+    return state
+
+
+def wait_runner(store: Store, host: str, status: str, timeout_s: float) -> RunnerState:
+    state: RunnerState = wait_until(
+        lambda: (s := runner_state(store, host)).status == status and s,
+        timeout_s,
+        f"runner tiny@{host} {status}",
+    )
+    return state
+
+
+def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
+    wait_until(
+        lambda: stack.store.streamed_text(job_id)[1] >= at_least, 10, f"tokens of job {job_id}"
+    )
+
+
+def new_worker(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, host: str, **settings: Any
+) -> Worker:
+    worker = start_worker(processes, stack.redis.url, host, [tiny_model], tmp_path, **settings)
+    wait_runner_ready(stack.store, worker)
+    return worker

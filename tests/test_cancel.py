@@ -14,10 +14,9 @@ import openai
 import requests
 
 from exo_tasks.types import DoneEvent
-from tests.conftest import Stack
+from tests.conftest import LONG, Stack, new_worker, runner_state, wait_tokens
 from tests.stack import Processes, wait_until
 from tests.test_openai import CHAT, HOST_A, client_for, job_of
-from tests.test_shutdown import LONG, new_worker, runner_state, wait_tokens
 
 
 def cancel(stack: Stack, job_id: str) -> requests.Response:

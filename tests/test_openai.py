@@ -14,9 +14,8 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.conftest import Stack
+from tests.conftest import Stack, new_worker, wait_tokens
 from tests.stack import Processes, wait_until
-from tests.test_shutdown import new_worker, wait_tokens
 
 HOST_A = {"host": "host-a"}  # the session host: kept off any test's own worker
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]

@@ -11,46 +11,20 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from exo_tasks.store import Store
-from exo_tasks.types import RunnerState
-from tests.conftest import Stack, api_settings
-from tests.stack import Api, Processes, Worker, start_worker, wait_runner_ready, wait_until
-
-LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
-
-
-def runner_state(store: Store, host: str) -> RunnerState:
-    state = store.get_runner(f"tiny@{host}")
-    assert state is not None
-    return state
-
-
-def wait_runner(store: Store, host: str, status: str, timeout_s: float) -> RunnerState:
-    state: RunnerState = wait_until(
-        lambda: (s := runner_state(store, host)).status == status and s,
-        timeout_s,
-        f"runner tiny@{host} {status}",
-    )
-    return state
-
-
-def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
-    wait_until(
-        lambda: stack.store.streamed_text(job_id)[1] >= at_least, 10, f"tokens of job {job_id}"
-    )
-
-
-def new_worker(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, host: str, **settings: Any
-) -> Worker:
-    worker = start_worker(processes, stack.redis.url, host, [tiny_model], tmp_path, **settings)
-    wait_runner_ready(stack.store, worker)
-    return worker
+from tests.conftest import (
+    LONG,
+    Stack,
+    api_settings,
+    new_worker,
+    runner_state,
+    wait_runner,
+    wait_tokens,
+)
+from tests.stack import Api, Processes, wait_until
 
 
 def test_idle_warm_shutdown_is_done_within_2s_and_load_starts_it_again(
