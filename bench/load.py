@@ -90,7 +90,9 @@ def closed_loop(
     first_tokens_timeout_s: float = 0.0,
 ) -> LoadRun:
     """Run `clients` clients through the ramp, then measure `windows` consecutive windows of
-    `window_s`. Then no new request is sent; with `first_tokens_timeout_s`, the requests sent
+    `window_s`, or of the first finished request's latency if longer: with every client in the
+    same batch, jobs start and end together, and a window shorter than a job's life would see
+    only its decoding or mostly its prefill. Then no new request is sent; with `first_tokens_timeout_s`, the requests sent
     inside the windows are waited for until each has its first token (their TTFT would be
     missing otherwise, and only the fast ones counted). Requests still in flight at the end are
     left to the caller, who stops the contender."""
@@ -120,6 +122,7 @@ def closed_loop(
     while time.monotonic() < deadline and not _ramped(firsts):
         time.sleep(0.05)
     start = time.monotonic()
+    window_s = max([window_s] + [t.latency_s for t in firsts if t and t.latency_s is not None])
     measured = [Window(start + i * window_s, start + (i + 1) * window_s) for i in range(windows)]
     time.sleep(windows * window_s)
     stop.set()
@@ -134,12 +137,10 @@ def closed_loop(
 
 
 def _ramped(firsts: list[Trace | None]) -> bool:
-    """The ramp ends once every client has its first token, or once a first request has ended
-    (a server that serves one job at a time is in its steady state from then on)."""
+    """The ramp ends once every client has sent its first request and one of those has
+    ended: the next ones are sent by then, and its latency is one job's whole life."""
     started = [t for t in firsts if t is not None]
-    if len(started) < len(firsts):
-        return False
-    return all(t.token_times for t in started) or any(t.ended for t in started)
+    return len(started) == len(firsts) and any(t.ended for t in started)
 
 
 def sequential(client: Client, count: int, max_tokens: int, series: str) -> list[Trace]:

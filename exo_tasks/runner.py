@@ -331,10 +331,8 @@ class Runner:
             self._begin_stop(command)
 
     def _admit(self, command: SubmitJob) -> None:
-        job = self.store.get_job(command.job_id)
-        if job is None or job.is_terminal:
-            self.store.release_job(self.spec.runner_id, command.job_id)
-            return
+        # The record as its task saw it, queued; the compare-and-set below sees a cancel since.
+        job = command.job
         if self.stop_request is not None:  # not started: back to the queue, never lost
             self.store.release_job(self.spec.runner_id, job.id)
             self.store.requeue_job(job.id)

@@ -36,11 +36,14 @@ KOMBU_PRIORITY_SEP = "\x06\x16"
 ACTIVE_STATUSES: tuple[JobStatus, ...] = ("queued", "running")
 
 _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
+_ending_adapter: TypeAdapter[DoneEvent | RequeuedEvent] = TypeAdapter(DoneEvent | RequeuedEvent)
 _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 _supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequest)
 
-# KEYS: job hash, event stream. ARGV: new status, record, event name ('' for none), event
-# data, ttl seconds (0: keep), then the statuses the job may move from.
+# KEYS: job hash, event stream, endings stream. ARGV: new status, record, event name ('' for
+# none), event data, ttl seconds (0: keep), then the statuses the job may move from. The only
+# events a transition appends end an attempt (done, error, requeued): they go to the endings
+# stream too, which the task waiting for the attempt reads without waking for every token.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return 0 end
@@ -52,13 +55,41 @@ if not allowed then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
 if ARGV[3] ~= '' then
   redis.call('XADD', KEYS[2], '*', 'event', ARGV[3], 'data', ARGV[4])
+  redis.call('XADD', KEYS[3], '*', 'event', ARGV[3], 'data', ARGV[4])
 end
 local ttl = tonumber(ARGV[5])
 if ttl > 0 then
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
+  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ttl) end
 end
 return 1
+"""
+
+# KEYS: job hash, recent jobs, then the queue's lists. ARGV: the most messages allowed in the
+# queue, status, record, created_at, job id. Creates the job unless the queue is full; returns
+# the messages found in the queue.
+_CREATE_UNLESS_FULL = f"""
+local depth = 0
+for i = 3, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+if depth >= tonumber(ARGV[1]) then return depth end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'record', ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -{RECENT_JOBS_KEPT + 1})
+return depth
+"""
+
+# KEYS: live hosts, runners. ARGV: host key prefix, runner key prefix. Every live host's and
+# runner's state; hosts whose heartbeat expired are forgotten.
+_FLEET = """
+local hosts, runners = {}, {}
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local raw = redis.call('GET', ARGV[1] .. name)
+  if raw then table.insert(hosts, raw) else redis.call('SREM', KEYS[1], name) end
+end
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local raw = redis.call('GET', ARGV[2] .. id)
+  if raw then table.insert(runners, raw) end
+end
+return {hosts, runners}
 """
 
 
@@ -73,12 +104,25 @@ def connect(url: str) -> redis.Redis:
     )
 
 
+def _queue_lists(queue: str) -> list[str]:
+    """A Celery queue's Redis lists, one per priority step (kombu's layout)."""
+    return [f"{queue}{KOMBU_PRIORITY_SEP}{step}" if step else queue for step in PRIORITY_STEPS]
+
+
 def job_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
 def events_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:events"
+
+
+def endings_key(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:endings"
+
+
+def _transition_keys(job_id: str) -> list[str]:
+    return [job_key(job_id), events_key(job_id), endings_key(job_id)]
 
 
 def runner_key(runner_id: str) -> str:
@@ -97,6 +141,8 @@ class Store:
         self.redis: Any = client
         self.result_ttl_s = result_ttl_s
         self._transition = client.register_script(_TRANSITION)
+        self._create_unless_full = client.register_script(_CREATE_UNLESS_FULL)
+        self._fleet = client.register_script(_FLEET)
 
     @classmethod
     def from_url(cls, url: str, *, result_ttl_s: int = 24 * 3600) -> Store:
@@ -108,22 +154,33 @@ class Store:
     def queue_depth(self, queue: str) -> int:
         """Messages waiting in a Celery queue, across its priority lists (kombu's layout)."""
         pipe = self.redis.pipeline(transaction=False)
-        for step in PRIORITY_STEPS:
-            pipe.llen(f"{queue}{KOMBU_PRIORITY_SEP}{step}" if step else queue)
+        for key in _queue_lists(queue):
+            pipe.llen(key)
         return sum(pipe.execute())
 
     # --- jobs ---
 
-    def create_job(self, job: JobRecord) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(job_key(job.id), mapping={"status": job.status, "record": job.model_dump_json()})
-        pipe.zadd(f"{PREFIX}:jobs", {job.id: job.created_at.timestamp()})
-        pipe.zremrangebyrank(f"{PREFIX}:jobs", 0, -RECENT_JOBS_KEPT - 1)
-        pipe.execute()
+    def create_job(self, job: JobRecord, queue: str, max_queued: int) -> int:
+        """Record a new job unless `queue` holds `max_queued` messages already, in one round
+        trip. Returns the messages found in the queue: the job was created if fewer."""
+        keys = [job_key(job.id), f"{PREFIX}:jobs", *_queue_lists(queue)]
+        args = [max_queued, job.status, job.model_dump_json(), job.created_at.timestamp(), job.id]
+        return int(self._create_unless_full(keys=keys, args=args))
 
     def get_job(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hget(job_key(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
+
+    def job_and_runner(
+        self, job_id: str, runner_id: str
+    ) -> tuple[JobRecord | None, RunnerState | None]:
+        """A job and the runner that would take it, in one round trip (a task's first step)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(job_key(job_id), "record")
+        pipe.get(runner_key(runner_id))
+        job_raw, runner_raw = pipe.execute()
+        job = JobRecord.model_validate_json(job_raw) if job_raw else None
+        return job, RunnerState.model_validate_json(runner_raw) if runner_raw else None
 
     def list_jobs(self, status: str | None = None, limit: int = 50) -> list[JobRecord]:
         jobs: list[JobRecord] = []
@@ -156,7 +213,7 @@ class Store:
         stream in the same step. A terminal status appends the stream's last event and starts
         the record's expiry. True if written."""
         args = self._transition_args(job, allowed_from, event)
-        written = bool(self._transition(keys=[job_key(job.id), events_key(job.id)], args=args))
+        written = bool(self._transition(keys=_transition_keys(job.id), args=args))
         if written and job.is_terminal:  # counted once: only the first ending is written
             self.write_metrics(metrics.job_ended(job))
         return written
@@ -193,7 +250,7 @@ class Store:
             # EVAL, not the registered script's EVALSHA: a pipeline would first ask whether the
             # script is loaded, one more round trip each time.
             args = self._transition_args(job, ACTIVE_STATUSES, None)
-            pipe.eval(_TRANSITION, 2, job_key(job.id), events_key(job.id), *args)
+            pipe.eval(_TRANSITION, 3, *_transition_keys(job.id), *args)
             pipe.srem(f"{runner_key(runner_id)}:jobs", job.id)
         replies = pipe.execute()
         observations.clear()
@@ -221,11 +278,12 @@ class Store:
             )
         )
 
-    def requeue_job(self, job_id: str) -> bool:
-        """Put an unfinished job back to `queued` for another attempt (its worker stopped)."""
+    def requeue_job(self, job_id: str) -> JobRecord | None:
+        """Put an unfinished job back to `queued` for another attempt (its worker stopped).
+        Returns the record as requeued, or None if the job had already ended."""
         job = self.get_job(job_id)
         if job is None or job.is_terminal:
-            return False
+            return None
         attempt = job.attempts + 1
         fresh = JobRecord(
             id=job.id,
@@ -234,9 +292,10 @@ class Store:
             created_at=job.created_at,
             attempts=attempt,
         )
-        return self.transition(
+        requeued = self.transition(
             fresh, allowed_from=ACTIVE_STATUSES, event=RequeuedEvent(attempt=attempt)
         )
+        return fresh if requeued else None
 
     # --- a job's event stream ---
 
@@ -252,10 +311,32 @@ class Store:
             (entry_id, _event_adapter.validate_json(fields["data"])) for entry_id, fields in entries
         ]
 
-    def last_event_id(self, job_id: str) -> str:
-        """The stream position to follow a job from: only what happens next is read."""
-        last = self.redis.xrevrange(events_key(job_id), count=1)
-        return str(last[0][0]) if last else "0-0"
+    def read_endings(
+        self, job_id: str, after: str, block_ms: int
+    ) -> list[tuple[str, DoneEvent | RequeuedEvent]]:
+        """How the job's attempts ended after stream id `after`, waiting up to `block_ms`."""
+        reply = self.redis.xread({endings_key(job_id): after}, block=block_ms)
+        if not reply:
+            return []
+        _key, entries = reply[0]
+        return [(entry_id, _ending_adapter.validate_json(f["data"])) for entry_id, f in entries]
+
+    def attempt_start(self, job_id: str) -> tuple[str, int]:
+        """Where a new attempt starts: the last ending's id (only later ones are this
+        attempt's) and the number of events so far (later ones are this attempt's tokens)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrevrange(endings_key(job_id), count=1)
+        pipe.xlen(events_key(job_id))
+        last, events = pipe.execute()
+        return (str(last[0][0]) if last else "0-0"), int(events)
+
+    def runner_and_events(self, runner_id: str, job_id: str) -> tuple[RunnerState | None, int]:
+        """A runner's state and a job's event count, in one round trip (a task's check)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(runner_key(runner_id))
+        pipe.xlen(events_key(job_id))
+        raw, events = pipe.execute()
+        return (RunnerState.model_validate_json(raw) if raw else None), int(events)
 
     def streamed_text(self, job_id: str) -> tuple[str, int]:
         """The text and token count of the current attempt so far (a failed job keeps it)."""
@@ -346,19 +427,12 @@ class Store:
 
     def fleet(self) -> tuple[list[HostState], list[RunnerState]]:
         """The hosts whose heartbeat has not expired (expired ones are forgotten) and every
-        runner, in two round trips: the API reads both for every job it takes."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.smembers(f"{PREFIX}:hosts")
-        pipe.smembers(f"{PREFIX}:runners")
-        names, runner_ids = (sorted(members) for members in pipe.execute())
-        keys = [host_key(n) for n in names] + [runner_key(i) for i in runner_ids]
-        raws = self.redis.mget(keys) if keys else []
-        host_raws, runner_raws = raws[: len(names)], raws[len(names) :]
-        gone = [name for name, raw in zip(names, host_raws, strict=True) if raw is None]
-        if gone:
-            self.redis.srem(f"{PREFIX}:hosts", *gone)
-        hosts = [HostState.model_validate_json(raw) for raw in host_raws if raw]
-        return hosts, [RunnerState.model_validate_json(raw) for raw in runner_raws if raw]
+        runner, by name, in one round trip: the API reads both for every job it takes."""
+        keys = [f"{PREFIX}:hosts", f"{PREFIX}:runners"]
+        host_raws, runner_raws = self._fleet(keys=keys, args=[host_key(""), runner_key("")])
+        hosts = [HostState.model_validate_json(raw) for raw in host_raws]
+        runners = [RunnerState.model_validate_json(raw) for raw in runner_raws]
+        return sorted(hosts, key=lambda h: h.name), sorted(runners, key=lambda r: r.id)
 
     # --- metrics ---
 

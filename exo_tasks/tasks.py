@@ -25,7 +25,6 @@ from exo_tasks.store import Store
 from exo_tasks.supervisor import KILL_WAIT_S, TERM_WAIT_S
 from exo_tasks.types import (
     CancelJob,
-    DoneEvent,
     JobRecord,
     RequeuedEvent,
     RunnerState,
@@ -34,17 +33,19 @@ from exo_tasks.types import (
     StopRunner,
     StopRunnerRequest,
     SubmitJob,
-    TokenEvent,
     runner_id_for,
 )
 
 log = logging.getLogger("exo_tasks.tasks")
-WAIT_SLICE_MS = 500
+# The wait for a job's ending is cut into slices, to check on its runner and report progress.
+WAIT_SLICE_MS = 1000
 # After a soft time limit the runner ends the job at its next step; this bounds our wait.
 CANCEL_ACK_S = 3.0
 REDIS_RETRY_S = 0.5
 PROGRESS = "PROGRESS"
-PROGRESS_EVERY_S = 0.5
+# A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
+# CPU (a pool child per job); Flower needs no more than this.
+PROGRESS_EVERY_S = 2.0
 
 
 class InferenceTask(Task):  # type: ignore[type-arg]
@@ -67,12 +68,13 @@ def _app(task: Task[Any, Any]) -> ExoCelery:
 # No STARTED state in the result backend: the job record already says `running`, and the
 # write (a SET and a PUBLISH) would sit between every job's delivery and its hand-over.
 @shared_task(name=INFERENCE_TASK, bind=True, base=InferenceTask, track_started=False)
-def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
-    """Run one job on this host's runner for its model; the job record holds the result."""
+def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
+    """Run one job on this host's runner for `model`; the job record holds the result."""
     app = _app(self)
     store, settings = app.store, app.settings
+    runner_id = runner_id_for(model, settings.hostname)
     try:
-        job = store.get_job(job_id)
+        job, state = store.job_and_runner(job_id, runner_id)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
     if job is None:
@@ -81,76 +83,78 @@ def inference(self: Task[Any, Any], job_id: str) -> dict[str, Any]:
     if job.is_terminal:  # cancelled while queued, or finished by an earlier delivery
         return _summary(job)
     if job.status == "running":  # an earlier attempt died with its worker: start over
-        store.requeue_job(job_id)
-    runner_id = runner_id_for(job.model, settings.hostname)
+        job = store.requeue_job(job_id) or job
     extra = {"job_id": job_id, "runner": runner_id}
-    runner: RunnerState | None = None
+    runner: RunnerState | None = None  # the runner the job was handed to
     try:
-        runner = _await_runner(
-            store, runner_id, settings.runner_start_timeout_s, pinned=job.request.host is not None
+        state = _await_runner(
+            store, runner_id, state, settings.runner_start_timeout_s, pinned=job.request.host
         )
         hard_limit = (self.request.timelimit or (None, None))[0] or settings.job_hard_time_limit_s
-        # A first attempt's stream is empty (ending or requeueing a job appends to it): no
-        # round trip to find where to follow it from.
+        # A first attempt has no ending and no events yet: no round trip to find where it starts.
         first = job.status == "queued" and job.attempts == 0
-        after = "0-0" if first else store.last_event_id(job_id)
-        store.send_to_runner(runner_id, SubmitJob(job_id=job_id, deadline=time.time() + hard_limit))
+        after, events_before = ("0-0", 0) if first else store.attempt_start(job_id)
+        store.send_to_runner(runner_id, SubmitJob(job=job, deadline=time.time() + hard_limit))
+        runner = state
         log.info("job handed to runner", extra=extra)
-        progress = Progress(self, job.request.max_tokens)
+        progress = Progress(self, job.request.max_tokens, events_before)
         return _summary(_follow(store, job_id, runner, after, progress=progress))
     except SoftTimeLimitExceeded:
         log.warning("soft time limit reached; ending the job", extra=extra)
         if runner is None:  # still waiting for the runner: nothing ran
             _time_out(store, job_id)
             return _summary(store.get_job(job_id) or job)
+        after, _ = store.attempt_start(job_id)
         store.send_to_runner(runner_id, CancelJob(job_id=job_id, reason="time_limit"))
-        until = time.monotonic() + CANCEL_ACK_S
-        return _summary(_follow(store, job_id, runner, store.last_event_id(job_id), until))
+        return _summary(_follow(store, job_id, runner, after, time.monotonic() + CANCEL_ACK_S))
     except ExoError as exc:
         store.fail_job(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
         raise
 
 
-def _await_runner(store: Store, runner_id: str, timeout_s: float, *, pinned: bool) -> RunnerState:
-    """The runner once it takes jobs; a runner still loading is waited for, in slices. A job
-    for a runner stopped on purpose goes back to the queue (another host, or a later load, will
-    run it), unless it is pinned to this host."""
+def _await_runner(
+    store: Store, runner_id: str, state: RunnerState | None, timeout_s: float, *, pinned: str | None
+) -> RunnerState:
+    """The runner once it takes jobs (`state`: as just read); a runner still loading is waited
+    for, in slices. A job for a runner stopped on purpose goes back to the queue (another host,
+    or a later load, will run it), unless it is `pinned` to this host."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            state = store.get_runner(runner_id)
-        except (redis.ConnectionError, redis.TimeoutError):
-            state = None  # Redis is restarting: keep waiting, within the same bound
         if state is not None and state.status.accepts_jobs:
             return state
-        if state is not None and state.status == RunnerStatus.SHUTDOWN and not pinned:
+        if state is not None and state.status == RunnerStatus.SHUTDOWN and pinned is None:
             raise Reject(f"runner {runner_id} is shut down; requeued", requeue=True)
         if state is not None and state.status.is_final and state.next_restart_at is None:
             raise RunnerGone(f"runner {runner_id} is {state.status}: {state.error or 'stopped'}")
         if time.monotonic() > deadline:
             raise RunnerGone(f"runner {runner_id} not ready after {timeout_s:.0f}s")
         time.sleep(0.1)
+        try:
+            state = store.get_runner(runner_id)
+        except (redis.ConnectionError, redis.TimeoutError):
+            state = None  # Redis is restarting: keep waiting, within the same bound
 
 
 class Progress:
     """A job's tokens so far, as the task's PROGRESS state for result readers and a
     `task-progress` event for Flower, at most every PROGRESS_EVERY_S and only as a best
-    effort."""
+    effort. The tokens are the events in the job's stream since the attempt began."""
 
-    def __init__(self, task: Task[Any, Any], max_tokens: int) -> None:
+    def __init__(self, task: Task[Any, Any], max_tokens: int, events_before: int) -> None:
         self.task = task
         self.max_tokens = max_tokens
+        self.events_before = events_before
         self.tokens = 0
         self.reported_at = time.monotonic()
 
-    def advance(self, tokens: int) -> None:
-        self.tokens += tokens
+    def update(self, events: int) -> None:
+        tokens = events - self.events_before
         now = time.monotonic()
-        if not tokens or now - self.reported_at < PROGRESS_EVERY_S:
+        if tokens == self.tokens or now - self.reported_at < PROGRESS_EVERY_S:
             return
-        self.reported_at = now
-        meta = {"tokens": self.tokens, "max_tokens": self.max_tokens}
+        self.tokens, self.reported_at = tokens, now
+        meta = {"tokens": tokens, "max_tokens": self.max_tokens}
         try:
             self.task.update_state(state=PROGRESS, meta=meta)
             # Flower shows a task's state and `result` (a repr, as in task-succeeded events).
@@ -167,34 +171,25 @@ def _follow(
     until: float | None = None,
     progress: Progress | None = None,
 ) -> JobRecord:
-    """Wait for the job's last event after stream position `after`. Returns the final record;
-    never waits on a dead runner. A job its runner put back on the queue is rejected with
-    requeue, so Celery delivers it again (after a restart, or to another host)."""
-    check_at = time.monotonic() + WAIT_SLICE_MS / 1000
+    """Wait for the end of the job's attempt: its first ending after stream position `after`.
+    Returns the final record; never waits on a dead runner. A job its runner put back on the
+    queue is rejected with requeue, so Celery delivers it again (after a restart, or to
+    another host). Whoever ends the job appends the ending, so the checks between waits are
+    only for a runner that died silently and for the progress report."""
     while True:
         try:
-            events = store.read_events(job_id, after, block_ms=WAIT_SLICE_MS)
-            for event_id, event in events:
-                after = event_id
-                if isinstance(event, DoneEvent):
-                    return event.job
-                if isinstance(event, RequeuedEvent):
+            for _, ending in store.read_endings(job_id, after, block_ms=WAIT_SLICE_MS):
+                if isinstance(ending, RequeuedEvent):
                     raise Reject("runner stopped before the job finished; requeued", requeue=True)
+                return ending.job
+            current, events = store.runner_and_events(runner.id, job_id)
             if progress is not None:
-                progress.advance(sum(isinstance(e, TokenEvent) for _, e in events))
-            # Whoever ends the job appends its DoneEvent, so the checks below are only for a
-            # runner that died silently: once a slice, not after every token.
-            if events and time.monotonic() < check_at:
-                continue
-            check_at = time.monotonic() + WAIT_SLICE_MS / 1000
-            current = store.get_runner(runner.id)
+                progress.update(events)
+            # Each of these appends an ending, which the next read returns.
             if current is None or current.pid != runner.pid or current.status.is_final:
                 store.fail_job(job_id, f"runner {runner.id} stopped while running the job")
-            if until is not None and time.monotonic() > until:
+            elif until is not None and time.monotonic() > until:
                 _time_out(store, job_id)
-            job = store.get_job(job_id)
-            if job is not None and job.is_terminal:
-                return job
         except (redis.ConnectionError, redis.TimeoutError):
             time.sleep(REDIS_RETRY_S)  # Redis is restarting; the runner keeps what it owes
 

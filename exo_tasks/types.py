@@ -240,8 +240,12 @@ JobEvent = Annotated[TokenEvent | DoneEvent | RequeuedEvent, Field(discriminator
 
 class SubmitJob(BaseModel):
     kind: Literal["submit"] = "submit"
-    job_id: str
+    job: JobRecord = Field(description="The job as queued; the runner needs not read it again.")
     deadline: float = Field(description="Unix time after which the runner drops the job.")
+
+    @property
+    def job_id(self) -> str:
+        return self.job.id
 
 
 class CancelJob(BaseModel):

@@ -61,31 +61,27 @@ def resolve_model(context: ApiContext, requested: str | None, fleet: Fleet | Non
     )
 
 
-def check_backlog(context: ApiContext, queue: str) -> None:
-    """429 once EXO_MAX_QUEUED_JOBS jobs wait in the queue: the client backs off, Redis does
-    not fill up."""
-    depth, cap = context.store.queue_depth(queue), context.settings.max_queued_jobs
-    if depth >= cap:
-        raise QueueFull(
-            f"{depth} jobs are waiting in {queue}, the most allowed (EXO_MAX_QUEUED_JOBS={cap})",
-            retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
-        )
-
-
 def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
     """Record the job, then send its task: a job the API accepted is never unknown. A pinned
-    job goes to its host's own queue, which only that host's worker consumes."""
+    job goes to its host's own queue, which only that host's worker consumes. Once
+    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
+    fill up."""
     settings = context.settings
     fleet = Fleet.load(context.store)
     model = resolve_model(context, job_request.model, fleet)
     queue = fleet.queue_for(model, job_request.host)
-    check_backlog(context, queue)
     job = JobRecord(id=uuid.uuid4().hex, model=model, request=job_request)
-    context.store.create_job(job)
+    depth = context.store.create_job(job, queue, settings.max_queued_jobs)
+    if depth >= settings.max_queued_jobs:
+        raise QueueFull(
+            f"{depth} jobs are waiting in {queue}, the most allowed "
+            f"(EXO_MAX_QUEUED_JOBS={settings.max_queued_jobs})",
+            retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+        )
     soft = job_request.timeout_s or settings.job_soft_time_limit_s
     context.celery.send_task(
         INFERENCE_TASK,
-        args=[job.id],
+        args=[job.id, model],
         task_id=job.id,
         queue=queue,
         # Celery takes float seconds here; its stubs say int.
