@@ -331,7 +331,7 @@ class Runner:
             self._begin_stop(command)
 
     def _admit(self, command: SubmitJob) -> None:
-        # The record as its task saw it, queued; the compare-and-set below sees a cancel since.
+        # Its task marked the job running as it handed it over: nothing to write to start it.
         job = command.job
         if self.stop_request is not None:  # not started: back to the queue, never lost
             self.store.release_job(self.spec.runner_id, job.id)
@@ -343,18 +343,9 @@ class Runner:
             self.store.release_job(self.spec.runner_id, job.id)
             self.store.fail_job(job.id, f"could not encode the prompt: {exc}")
             return
-        started = job.model_copy(
-            update={
-                "status": "running",
-                "started_at": utcnow(),
-                "host": self.spec.host,
-                "runner_id": self.spec.runner_id,
-                "usage": job.usage.model_copy(update={"prompt_tokens": len(prompt_tokens)}),
-            }
-        )
-        if not self.store.transition(started, allowed_from=("queued",)):
-            self.store.release_job(self.spec.runner_id, job.id)  # cancelled meanwhile
-            return
+        # Counted here; the stored record shows it once the job ends.
+        usage = job.usage.model_copy(update={"prompt_tokens": len(prompt_tokens)})
+        started = job.model_copy(update={"usage": usage})
         try:
             self.engine.add(job.id, prompt_tokens, job.request)
         except ValueError as exc:

@@ -25,6 +25,7 @@ from exo_tasks.types import (
     RunnerCommand,
     RunnerState,
     StatusChange,
+    SubmitJob,
     SupervisorRequest,
     TokenEvent,
 )
@@ -75,6 +76,17 @@ redis.call('HSET', KEYS[1], 'status', ARGV[2], 'record', ARGV[3])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -{RECENT_JOBS_KEPT + 1})
 return depth
+"""
+
+# KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
+# id, the submit command. A queued job is marked running, counted as the runner's and put in
+# its inbox at once; a job no longer queued (cancelled meanwhile) is left alone.
+_HAND_OVER = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'running', 'record', ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('RPUSH', KEYS[3], ARGV[3])
+return 1
 """
 
 # KEYS: live hosts, runners. ARGV: host key prefix, runner key prefix. Every live host's and
@@ -143,6 +155,7 @@ class Store:
         self._transition = client.register_script(_TRANSITION)
         self._create_unless_full = client.register_script(_CREATE_UNLESS_FULL)
         self._fleet = client.register_script(_FLEET)
+        self._hand_over = client.register_script(_HAND_OVER)
 
     @classmethod
     def from_url(cls, url: str, *, result_ttl_s: int = 24 * 3600) -> Store:
@@ -375,12 +388,17 @@ class Store:
 
     # --- a runner's inbox and the jobs handed to it ---
 
+    def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
+        """Mark a queued job running (`command.job` is its record so) and put it in the
+        runner's inbox, in one step: the runner starts it without a write of its own. False if
+        the job is no longer queued."""
+        job = command.job
+        keys = [job_key(job.id), f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox"]
+        args = [job.model_dump_json(), job.id, command.model_dump_json()]
+        return bool(self._hand_over(keys=keys, args=args))
+
     def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        if command.kind == "submit":
-            pipe.sadd(f"{runner_key(runner_id)}:jobs", command.job_id)
-        pipe.rpush(f"{runner_key(runner_id)}:inbox", command.model_dump_json())
-        pipe.execute()
+        self.redis.rpush(f"{runner_key(runner_id)}:inbox", command.model_dump_json())
 
     def next_runner_command(self, runner_id: str, timeout_s: float) -> RunnerCommand | None:
         reply = self.redis.blpop([f"{runner_key(runner_id)}:inbox"], timeout=timeout_s)

@@ -34,6 +34,7 @@ from exo_tasks.types import (
     StopRunnerRequest,
     SubmitJob,
     runner_id_for,
+    utcnow,
 )
 
 log = logging.getLogger("exo_tasks.tasks")
@@ -94,7 +95,18 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         # A first attempt has no ending and no events yet: no round trip to find where it starts.
         first = job.status == "queued" and job.attempts == 0
         after, events_before = ("0-0", 0) if first else store.attempt_start(job_id)
-        store.send_to_runner(runner_id, SubmitJob(job=job, deadline=time.time() + hard_limit))
+        started = job.model_copy(
+            update={
+                "status": "running",
+                "started_at": utcnow(),
+                "host": settings.hostname,
+                "runner_id": runner_id,
+            }
+        )
+        if not store.hand_over(
+            runner_id, SubmitJob(job=started, deadline=time.time() + hard_limit)
+        ):
+            return _summary(store.get_job(job_id) or job)  # cancelled meanwhile
         runner = state
         log.info("job handed to runner", extra=extra)
         progress = Progress(self, job.request.max_tokens, events_before)

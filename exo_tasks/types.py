@@ -240,12 +240,8 @@ JobEvent = Annotated[TokenEvent | DoneEvent | RequeuedEvent, Field(discriminator
 
 class SubmitJob(BaseModel):
     kind: Literal["submit"] = "submit"
-    job: JobRecord = Field(description="The job as queued; the runner needs not read it again.")
+    job: JobRecord = Field(description="The job as its task marked it running.")
     deadline: float = Field(description="Unix time after which the runner drops the job.")
-
-    @property
-    def job_id(self) -> str:
-        return self.job.id
 
 
 class CancelJob(BaseModel):

@@ -1,0 +1,84 @@
+"""The store's one-round-trip scripts on a real redis-server: the job's creation against its
+queue's cap, the hand-over to a runner, and the endings stream a task waits on."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from exo_tasks.metrics import Observations
+from exo_tasks.store import Store
+from exo_tasks.types import JobRecord, JobRequest, SubmitJob, TokenEvent, utcnow
+
+
+def new_job(model: str = "m") -> JobRecord:
+    request = JobRequest.model_validate({"prompt": "hi", "max_tokens": 4})
+    return JobRecord(id=uuid.uuid4().hex, model=model, request=request)
+
+
+def running(job: JobRecord, runner_id: str) -> SubmitJob:
+    started = job.model_copy(
+        update={"status": "running", "started_at": utcnow(), "runner_id": runner_id}
+    )
+    return SubmitJob(job=started, deadline=time.time() + 60)
+
+
+def test_a_job_is_created_only_while_its_queue_has_room(store: Store) -> None:
+    queue = f"exo.model.cap-{uuid.uuid4().hex[:6]}"
+    store.redis.lpush(queue, "a")
+    store.redis.lpush(f"{queue}\x06\x165", "b")  # kombu's list for priority 5
+
+    first, second = new_job(), new_job()
+    assert store.create_job(first, queue, max_queued=3) == 2
+    assert store.get_job(first.id) == first
+    assert store.create_job(second, queue, max_queued=2) == 2
+    assert store.get_job(second.id) is None
+
+
+def test_hand_over_marks_a_queued_job_running_and_fills_the_inbox(store: Store) -> None:
+    runner_id = f"m@{uuid.uuid4().hex[:6]}"
+    job = new_job()
+    store.create_job(job, "exo.model.m", max_queued=1_000)
+
+    assert store.hand_over(runner_id, running(job, runner_id))
+    stored = store.get_job(job.id)
+    assert stored is not None and stored.status == "running" and stored.runner_id == runner_id
+    command = store.next_runner_command(runner_id, timeout_s=1)
+    assert isinstance(command, SubmitJob) and command.job.id == job.id
+    assert store.take_runner_jobs(runner_id) == [job.id]
+
+
+def test_hand_over_leaves_a_cancelled_job_alone(store: Store) -> None:
+    runner_id = f"m@{uuid.uuid4().hex[:6]}"
+    job = new_job()
+    store.create_job(job, "exo.model.m", max_queued=1_000)
+    cancelled = job.finished("cancelled", text="", finish_reason="cancelled", completion_tokens=0)
+    assert store.finish_job(cancelled)
+
+    assert not store.hand_over(runner_id, running(job, runner_id))
+    assert store.get_job(job.id) == cancelled
+    assert store.next_runner_command(runner_id, timeout_s=0.1) is None
+    assert store.take_runner_jobs(runner_id) == []
+
+
+def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
+    job = new_job()
+    store.create_job(job, "exo.model.m", max_queued=1_000)
+    runner_id = "m@endings"
+    store.hand_over(runner_id, running(job, runner_id))
+    store.write_step(runner_id, [(job.id, TokenEvent(index=0, text="a"))], Observations(), [])
+    requeued = store.requeue_job(job.id)
+    assert requeued is not None and requeued.attempts == 1
+
+    after, events_before = store.attempt_start(job.id)
+    assert events_before == 2  # the first attempt's token and its requeue
+    [(first_end, ending)] = store.read_endings(job.id, "0-0", block_ms=100)
+    assert first_end == after and ending.event == "requeued"
+
+    store.hand_over(runner_id, running(requeued, runner_id))
+    final = requeued.finished("succeeded", text="b", finish_reason="length", completion_tokens=1)
+    store.write_step(runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final])
+    [(_, ending)] = store.read_endings(job.id, after, block_ms=100)
+    assert ending.event == "done" and ending.job.output.text == "b"
+    _, events = store.runner_and_events(runner_id, job.id)
+    assert events - events_before == 2  # this attempt's token and its done
