@@ -48,6 +48,16 @@ INBOX_POLL_S = 1.0
 REDIS_RETRY_S = 0.5
 IDLE_WAIT_S = 0.5
 STATE_DELAY_S = 0.05
+# Jobs that join a decoding batch come in bursts (jobs that started together end together, and
+# their clients send the next ones), each a trip through the queue after the last. Before the
+# next step the runner waits for the rest of a burst, while jobs keep coming (none for
+# GATHER_GAP_S ends it), for at most GATHER_STEP_SHARE of a step or GATHER_MAX_S, until a
+# prefill batch is full. The wait costs the batch little: the step already under way computes
+# meanwhile. Without it a burst's first job is prefilled alone, decodes a step ahead of the
+# rest, ends alone, its client's next job arrives alone, and so on for good.
+GATHER_GAP_S = 0.05
+GATHER_STEP_SHARE = 0.25
+GATHER_MAX_S = 0.25
 
 
 class RunnerSpec(BaseModel):
@@ -157,6 +167,7 @@ class Runner:
         self.unsent_endings: list[JobRecord] = []
         self.state_unpublished = False
         self.state_due: float | None = None  # when the jobs' comings and goings get published
+        self.step_s = 0.0  # how long the last generation step took
 
     # --- status ---
 
@@ -255,7 +266,10 @@ class Runner:
                 # Deliver what is owed to Redis before generating more: after an outage the
                 # streams stay complete and in order.
                 self._flush()
-                self._take_commands(block=not self.active)
+                decoding = len(self.active)
+                self._take_commands(0.0 if decoding else IDLE_WAIT_S)
+                if decoding and len(self.active) > decoding:
+                    self._gather_burst(decoding)
                 if self.terminate_requested:
                     requeue = self.stop_request is not None and self.stop_request.requeue
                     self._begin_stop(StopRunner(mode="hard", requeue=requeue))
@@ -303,13 +317,27 @@ class Runner:
         if not unchanged or self.state_unpublished:
             self.publish(status)
 
-    def _take_commands(self, *, block: bool) -> None:
+    @property
+    def stopping(self) -> bool:
+        return self.stop_request is not None or self.terminate_requested
+
+    def _gather_burst(self, decoding: int) -> None:
+        """Jobs just joined the `decoding` ones: take the rest of their burst before the next
+        step. A lone job on an idle runner (one client, one job after another) is never held
+        back."""
+        deadline = time.monotonic() + min(GATHER_MAX_S, GATHER_STEP_SHARE * self.step_s)
+        while len(self.active) - decoding < self.spec.prefill_batch_size and not self.stopping:
+            wait_s = min(GATHER_GAP_S, deadline - time.monotonic())
+            if wait_s <= 0 or not self._take_commands(wait_s):
+                return
+
+    def _take_commands(self, wait_s: float) -> bool:
+        """Handle every command in the inbox, waiting up to `wait_s` for the first one."""
+        get = self.commands.get
         try:
-            command = (
-                self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
-            )
+            command = get(timeout=wait_s) if wait_s > 0 else get(block=False)
         except queue.Empty:
-            return
+            return False
         while True:
             try:
                 self._handle(command)
@@ -319,7 +347,7 @@ class Runner:
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _handle(self, command: RunnerCommand) -> None:
         if isinstance(command, SubmitJob):
@@ -359,7 +387,9 @@ class Runner:
         self._jobs_changed()
 
     def _step(self) -> None:
+        started = time.monotonic()
         deltas = self.engine.step()
+        self.step_s = time.monotonic() - started
         tokens: list[tuple[str, TokenEvent]] = []
         finished: list[tuple[str, FinishReason]] = []
         now = utcnow()
