@@ -92,10 +92,11 @@ def closed_loop(
     """Run `clients` clients through the ramp, then measure `windows` consecutive windows of
     `window_s`, or of the first finished request's latency if longer: with every client in the
     same batch, jobs start and end together, and a window shorter than a job's life would see
-    only its decoding or mostly its prefill. Then no new request is sent; with `first_tokens_timeout_s`, the requests sent
-    inside the windows are waited for until each has its first token (their TTFT would be
-    missing otherwise, and only the fast ones counted). Requests still in flight at the end are
-    left to the caller, who stops the contender."""
+    only its decoding or mostly its prefill. Then no new request is sent; with
+    `first_tokens_timeout_s`, the requests sent inside the windows are waited for until each
+    has its first token (their TTFT would be missing otherwise, and only the fast ones
+    counted). Requests still in flight at the end are left to the caller, who stops the
+    contender."""
     stop = threading.Event()
     traces: list[Trace] = []
     lock = threading.Lock()
