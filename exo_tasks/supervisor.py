@@ -390,8 +390,11 @@ class RunnerSupervisor:
         self._drain_deadline = time.monotonic() + window_s
 
     def stop(self) -> None:
-        """Warm shutdown, after the pool drained."""
-        self._stop_all("warm")
+        """The pool has drained. Within the drain window runners finish what they hold; past it
+        (a cold shutdown whose tasks Celery cancelled gets no window) it goes back to the queue
+        now: no task is waiting for those jobs any more."""
+        deadline = self._drain_deadline
+        self._stop_all("hard" if deadline is not None and time.monotonic() >= deadline else "warm")
 
     def terminate(self) -> None:
         """Cold shutdown: in-flight jobs go back to the queue now."""
