@@ -6,6 +6,8 @@ import logging
 import sys
 from typing import Any
 
+from billiard.exceptions import SoftTimeLimitExceeded
+
 # Attributes every LogRecord has; anything else was passed with `extra=` and is printed.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -37,9 +39,18 @@ class LogfmtFormatter(logging.Formatter):
         return line
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    def handleError(self, record: logging.LogRecord) -> None:
+        # Celery's soft time limit is an exception raised by a signal handler: if it lands while
+        # a line is written, logging would print it and go on, and the task would never see it.
+        if isinstance(sys.exc_info()[1], SoftTimeLimitExceeded):
+            raise
+        super().handleError(record)
+
+
 def configure_logging(level: str = "INFO", **context: Any) -> None:
     """Send this process's logs to stderr as logfmt, with `context` (host, runner…) on each line."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     handler.setFormatter(LogfmtFormatter(context))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -53,6 +53,9 @@ class InferenceTask(Task):  # type: ignore[type-arg]
     def on_failure(
         self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: ExceptionInfo
     ) -> None:
+        # A soft limit that fired before the task's body ran (a very short `timeout_s`).
+        if isinstance(exc, SoftTimeLimitExceeded):
+            _time_out(cast(ExoCelery, self.app).store, task_id)
         # A hard time limit kills the pool child; Celery then calls this in the main process.
         if isinstance(exc, TimeLimitExceeded):
             app = cast(ExoCelery, self.app)
@@ -74,20 +77,20 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     app = _app(self)
     store, settings = app.store, app.settings
     runner_id = runner_id_for(model, settings.hostname)
-    try:
-        job, state = store.job_and_runner(job_id, runner_id)
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
-    if job is None:
-        log.warning("job unknown or expired; skipped", extra={"job_id": job_id})
-        return {"job_id": job_id, "status": "unknown"}
-    if job.is_terminal:  # cancelled while queued, or finished by an earlier delivery
-        return _summary(job)
-    if job.status == "running":  # an earlier attempt died with its worker: start over
-        job = store.requeue_job(job_id) or job
     extra = {"job_id": job_id, "runner": runner_id}
     runner: RunnerState | None = None  # the runner the job was handed to
     try:
+        try:
+            job, state = store.job_and_runner(job_id, runner_id)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
+        if job is None:
+            log.warning("job unknown or expired; skipped", extra={"job_id": job_id})
+            return {"job_id": job_id, "status": "unknown"}
+        if job.is_terminal:  # cancelled while queued, or finished by an earlier delivery
+            return _summary(job)
+        if job.status == "running":  # an earlier attempt died with its worker: start over
+            job = store.requeue_job(job_id) or job
         state = _await_runner(
             store, runner_id, state, settings.runner_start_timeout_s, pinned=job.request.host
         )
@@ -113,9 +116,8 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         return _summary(_follow(store, job_id, runner, after, progress=progress))
     except SoftTimeLimitExceeded:
         log.warning("soft time limit reached; ending the job", extra=extra)
-        if runner is None:  # still waiting for the runner: nothing ran
-            _time_out(store, job_id)
-            return _summary(store.get_job(job_id) or job)
+        if runner is None:  # not handed over yet: nothing ran
+            return _time_out(store, job_id)
         after, _ = store.attempt_start(job_id)
         store.send_to_runner(runner_id, CancelJob(job_id=job_id, reason="time_limit"))
         return _summary(_follow(store, job_id, runner, after, time.monotonic() + CANCEL_ACK_S))
@@ -206,15 +208,20 @@ def _follow(
             time.sleep(REDIS_RETRY_S)  # Redis is restarting; the runner keeps what it owes
 
 
-def _time_out(store: Store, job_id: str) -> None:
-    """The runner did not end the job after the soft limit: record it as timed out ourselves."""
+def _time_out(store: Store, job_id: str) -> dict[str, Any]:
+    """The runner did not end the job after the soft limit, or never had it: record it as
+    timed out ourselves. Returns the task's summary of the job as it ended."""
     job = store.get_job(job_id)
-    if job is None or job.is_terminal:
-        return
-    text, tokens = store.streamed_text(job_id)
-    store.finish_job(
-        job.finished("timed_out", text=text, finish_reason="time_limit", completion_tokens=tokens)
-    )
+    if job is None:
+        return {"job_id": job_id, "status": "unknown"}
+    if not job.is_terminal:
+        text, tokens = store.streamed_text(job_id)
+        job = job.finished(
+            "timed_out", text=text, finish_reason="time_limit", completion_tokens=tokens
+        )
+        if not store.finish_job(job):
+            job = store.get_job(job_id) or job  # ended meanwhile: that ending stands
+    return _summary(job)
 
 
 def _summary(job: JobRecord) -> dict[str, Any]:

@@ -209,6 +209,19 @@ def test_soft_time_limit_keeps_partial_text_and_the_warm_model(
     assert after.pid == before.pid and after.model_loads == 1
 
 
+@pytest.mark.parametrize("timeout_s", [1e-9, 1e-3])
+def test_a_soft_limit_before_the_hand_over_ends_the_job_timed_out(
+    stack: Stack, timeout_s: float
+) -> None:
+    # The limit can fire before the task's body runs, or while it reads the job: either way
+    # the job must end, not stay queued with its message gone.
+    host = stack.worker.host  # the session's worker: not one a previous test is stopping
+    jobs = [stack.api.submit(**LONG, host=host, timeout_s=timeout_s) for _ in range(5)]
+    for job_id in jobs:
+        job = stack.api.wait_job(job_id, timeout_s=10)
+        assert job["status"] == "timed_out" and job["output"]["finish_reason"] == "time_limit"
+
+
 def test_hard_time_limit_replaces_the_pool_child_and_fails_the_job(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
