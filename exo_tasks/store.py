@@ -17,6 +17,7 @@ from config.celery import PRIORITY_STEPS
 from exo_tasks import metrics
 from exo_tasks.types import (
     DoneEvent,
+    FinishReason,
     HostState,
     JobEvent,
     JobRecord,
@@ -280,16 +281,32 @@ class Store:
         assert job.is_terminal, job.status
         return self.transition(job, allowed_from=ACTIVE_STATUSES)
 
-    def fail_job(self, job_id: str, error: str) -> bool:
+    def end_job(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        finish_reason: FinishReason | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """End an active job from outside its runner, with the text its current attempt
+        streamed so far (first writer wins). True if this call ended it."""
         job = self.get_job(job_id)
         if job is None or job.is_terminal:
             return False
         text, tokens = self.streamed_text(job_id)
         return self.finish_job(
             job.finished(
-                "failed", text=text, finish_reason=None, completion_tokens=tokens, error=error
+                status,
+                text=text,
+                finish_reason=finish_reason,
+                completion_tokens=tokens,
+                error=error,
             )
         )
+
+    def fail_job(self, job_id: str, error: str) -> bool:
+        return self.end_job(job_id, "failed", error=error)
 
     def requeue_job(self, job_id: str) -> JobRecord | None:
         """Put an unfinished job back to `queued` for another attempt (its worker stopped).

@@ -86,9 +86,9 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
             raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
         if job is None:
             log.warning("job unknown or expired; skipped", extra={"job_id": job_id})
-            return {"job_id": job_id, "status": "unknown"}
+            return _summary(job_id, None)
         if job.is_terminal:  # cancelled while queued, or finished by an earlier delivery
-            return _summary(job)
+            return _summary(job_id, job)
         if job.status == "running":  # an earlier attempt died with its worker: start over
             job = store.requeue_job(job_id) or job
         state = _await_runner(
@@ -109,18 +109,20 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         if not store.hand_over(
             runner_id, SubmitJob(job=started, deadline=time.time() + hard_limit)
         ):
-            return _summary(store.get_job(job_id) or job)  # cancelled meanwhile
+            return _summary(job_id, store.get_job(job_id))  # cancelled meanwhile
         runner = state
         log.info("job handed to runner", extra=extra)
         progress = Progress(self, job.request.max_tokens, events_before)
-        return _summary(_follow(store, job_id, runner, after, progress=progress))
+        return _summary(job_id, _follow(store, job_id, runner, after, progress=progress))
     except SoftTimeLimitExceeded:
         log.warning("soft time limit reached; ending the job", extra=extra)
         if runner is None:  # not handed over yet: nothing ran
-            return _time_out(store, job_id)
+            _time_out(store, job_id)
+            return _summary(job_id, store.get_job(job_id))
         after, _ = store.attempt_start(job_id)
         store.send_to_runner(runner_id, CancelJob(job_id=job_id, reason="time_limit"))
-        return _summary(_follow(store, job_id, runner, after, time.monotonic() + CANCEL_ACK_S))
+        until = time.monotonic() + CANCEL_ACK_S
+        return _summary(job_id, _follow(store, job_id, runner, after, until))
     except ExoError as exc:
         store.fail_job(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
@@ -208,23 +210,16 @@ def _follow(
             time.sleep(REDIS_RETRY_S)  # Redis is restarting; the runner keeps what it owes
 
 
-def _time_out(store: Store, job_id: str) -> dict[str, Any]:
+def _time_out(store: Store, job_id: str) -> None:
     """The runner did not end the job after the soft limit, or never had it: record it as
-    timed out ourselves. Returns the task's summary of the job as it ended."""
-    job = store.get_job(job_id)
-    if job is None:
+    timed out ourselves."""
+    store.end_job(job_id, "timed_out", finish_reason="time_limit")
+
+
+def _summary(job_id: str, job: JobRecord | None) -> dict[str, Any]:
+    """The task's result: how the job ended (the job record holds the rest)."""
+    if job is None:  # unknown, or expired
         return {"job_id": job_id, "status": "unknown"}
-    if not job.is_terminal:
-        text, tokens = store.streamed_text(job_id)
-        job = job.finished(
-            "timed_out", text=text, finish_reason="time_limit", completion_tokens=tokens
-        )
-        if not store.finish_job(job):
-            job = store.get_job(job_id) or job  # ended meanwhile: that ending stands
-    return _summary(job)
-
-
-def _summary(job: JobRecord) -> dict[str, Any]:
     return {"job_id": job.id, "status": job.status, "finish_reason": job.output.finish_reason}
 
 
