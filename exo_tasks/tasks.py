@@ -119,7 +119,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         if runner is None:  # not handed over yet: nothing ran
             _time_out(store, job_id)
             return _summary(job_id, store.get_job(job_id))
-        after, _ = store.attempt_start(job_id)
+        # Follow from where this attempt began: an ending written just before the limit counts.
         store.send_to_runner(runner_id, CancelJob(job_id=job_id, reason="time_limit"))
         until = time.monotonic() + CANCEL_ACK_S
         return _summary(job_id, _follow(store, job_id, runner, after, until))
