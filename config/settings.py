@@ -48,6 +48,12 @@ class Settings(BaseSettings):
     decode_timeout_s: float = 5.0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
+    runner_lanes: int | None = Field(
+        None,
+        ge=1,
+        description="Batches a runner runs side by side; unset: 1 on a GPU, on the CPU one per "
+        "core (at most 8), since MLX keeps one batch on one core.",
+    )
 
     # Jobs and the broker.
     max_tokens: int = 4096

@@ -1,14 +1,25 @@
-"""Continuous batching for the runner: many jobs decode together in one mlx-lm BatchGenerator.
+"""Continuous batching for the runner: many jobs decode together in mlx-lm BatchGenerators.
 
 The runner process owns the model and drives `BatchEngine.step()` in its loop; jobs are added
 and removed between steps, while others are mid-generation. Not thread-safe: one caller only.
+
+Jobs are spread over lanes: each lane is one BatchGenerator on its own MLX stream, driven by
+its own thread, and a step runs every lane at once. On a GPU one lane is best (it is one
+device). On the CPU, MLX runs a stream's operations one after another on one thread, so a
+single batch keeps one core busy however many there are; lanes keep them all busy.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+import queue
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -18,6 +29,20 @@ from exo_tasks.types import ChatMessage, SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 EngineFinish = Literal["stop", "length"]
+T = TypeVar("T")
+MAX_AUTO_LANES = 8
+# Small batches side by side are slower than one batch on the CPU (bench model, 2 cores: two
+# lanes of 1 job make 17% fewer tokens/s than one lane of 2; two of 4, 7% more than one of 8;
+# two of 16, 61% more than one of 32), so a lane is opened only once the busy ones hold this.
+LANE_MIN_JOBS = 4
+
+
+def default_lanes() -> int:
+    """One lane on a GPU; on the CPU one per core this process may use (up to MAX_AUTO_LANES)."""
+    if mx.default_device() == mx.gpu:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_AUTO_LANES))
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,70 @@ def _seeded_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
     return sample
 
 
+class _LaneThread:
+    """A thread that runs the calls given to it one at a time, for as long as the process lives.
+
+    MLX gives each thread its own generation stream (mlx-lm's stream is thread-local). A thread
+    that used one must not end: a process that exits while such a thread is being torn down
+    aborts (std::terminate, seen in about half of the exits). So lane threads are daemons,
+    made once and shared by the engines of a process (a runner has one engine).
+    """
+
+    _made: list[_LaneThread] = []
+    _made_lock = threading.Lock()
+
+    @classmethod
+    def number(cls, index: int) -> _LaneThread:
+        with cls._made_lock:
+            while len(cls._made) <= index:
+                cls._made.append(cls(f"engine-lane-{len(cls._made)}"))
+            return cls._made[index]
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._calls.put((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, call = self._calls.get()
+            try:
+                future.set_result(call())
+            except Exception as exc:  # noqa: BLE001 (the caller gets it from the future)
+                future.set_exception(exc)
+
+
+class _Lane:
+    """A BatchGenerator and the one thread that drives it (an MLX stream belongs to its thread,
+    so every call on the generator goes through that thread)."""
+
+    def __init__(
+        self, thread: _LaneThread, model: Any, completion_batch_size: int, prefill_batch_size: int
+    ) -> None:
+        self.submit = thread.submit
+        self.jobs: dict[int, _Job] = {}  # by generator uid
+        # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
+        self.generator: Any = self.call(
+            lambda: BatchGenerator(
+                model,
+                completion_batch_size=completion_batch_size,
+                prefill_batch_size=prefill_batch_size,
+            )
+        )
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return self.submit(fn, *args, **kwargs).result()
+
+    def close(self) -> None:
+        self.call(self.generator.remove, list(self.jobs))
+        self.jobs.clear()
+        self.call(self.generator.close)
+
+
 class BatchEngine:
     """Jobs in, token deltas out: a thin, job-id-keyed layer over mlx-lm's BatchGenerator."""
 
@@ -93,26 +182,36 @@ class BatchEngine:
         *,
         completion_batch_size: int = 32,
         prefill_batch_size: int = 8,
+        lanes: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._eos_ids = frozenset[int](tokenizer.eos_token_ids)
         # Stop-sequence automata are immutable (each request gets its own matcher): share them.
         self._stop_on_eos = StopSequences([[eos] for eos in sorted(self._eos_ids)])
         self._never_stop = StopSequences()
-        # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
-        self._generator: Any = BatchGenerator(
-            model,
-            completion_batch_size=completion_batch_size,
-            prefill_batch_size=prefill_batch_size,
-        )
-        self._jobs: dict[int, _Job] = {}  # by generator uid
-        self._uids: dict[str, int] = {}
+        # The batch limits are the engine's: a lane takes its share (a lane per job at most).
+        count = min(lanes or default_lanes(), completion_batch_size)
+        per_lane = math.ceil(completion_batch_size / count)
+        self._lanes = [
+            _Lane(_LaneThread.number(i), model, per_lane, min(prefill_batch_size, per_lane))
+            for i in range(count)
+        ]
+        self._where: dict[str, tuple[_Lane, int]] = {}  # job id -> its lane and generator uid
         self._samplers: dict[tuple[float, float], Sampler] = {}
         self._largest_batch = 0
 
     @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
+    @property
+    def lane_jobs(self) -> list[int]:
+        """How many jobs each lane holds."""
+        return [len(lane.jobs) for lane in self._lanes]
+
+    @property
     def active_jobs(self) -> int:
-        return len(self._jobs)
+        return len(self._where)
 
     @property
     def largest_batch(self) -> int:
@@ -135,62 +234,77 @@ class BatchEngine:
             raise ValueError(f"job {job_id}: empty prompt")
         if params.max_tokens <= 0:
             raise ValueError(f"job {job_id}: max_tokens must be > 0")
-        if job_id in self._uids:
+        if job_id in self._where:
             raise ValueError(f"job {job_id} is already in the engine")
-        (uid,) = self._generator.insert(
+        lane = self._lane_for_new_job()
+        (uid,) = lane.call(
+            lane.generator.insert,
             [prompt_tokens],
             max_tokens=[params.max_tokens],
             samplers=[self._sampler(params)],
             stop_sequences=[self._never_stop if params.ignore_eos else self._stop_on_eos],
         )
-        self._uids[job_id] = uid
-        self._jobs[uid] = _Job(job_id, self._tokenizer.detokenizer, list(params.stop))
+        self._where[job_id] = (lane, uid)
+        lane.jobs[uid] = _Job(job_id, self._tokenizer.detokenizer, list(params.stop))
+
+    def _lane_for_new_job(self) -> _Lane:
+        """The lane with the fewest jobs, of the busy ones until each holds LANE_MIN_JOBS."""
+        busy = [lane for lane in self._lanes if lane.jobs]
+        if not busy or min(len(lane.jobs) for lane in busy) >= LANE_MIN_JOBS:
+            busy = self._lanes
+        return min(busy, key=lambda lane: len(lane.jobs))
 
     def remove(self, job_id: str) -> None:
         """Cancel a job in any phase; unknown or finished jobs are ignored (cancel races)."""
-        uid = self._uids.pop(job_id, None)
-        if uid is not None:
-            del self._jobs[uid]
-            self._generator.remove([uid])
+        where = self._where.pop(job_id, None)
+        if where is not None:
+            lane, uid = where
+            del lane.jobs[uid]
+            lane.call(lane.generator.remove, [uid])
 
     def step(self) -> list[TokenDelta]:
-        """Run one prefill/decode step; one delta per job that sampled a token."""
-        if not self._jobs:
-            return []
-        _, responses = self._generator.next()
-        self._largest_batch = max(self._largest_batch, len(responses))
-        deltas = []
-        for r in responses:
-            job = self._jobs[r.uid]
-            job.tokens += 1
-            if r.token not in self._eos_ids:  # EOS is never text, even with ignore_eos
-                job.detokenizer.add_token(r.token)
-            if r.finish_reason is not None:
-                job.detokenizer.finalize()
-            text, hit_stop = job.feed(job.detokenizer.last_segment, r.finish_reason is not None)
-            finish: EngineFinish | None = "stop" if hit_stop else r.finish_reason
-            if finish is not None:
-                # The generator already dropped a job it finished itself; a stop string is ours.
-                self.remove(job.job_id)
-            deltas.append(TokenDelta(job.job_id, text, job.tokens, finish))
-        return deltas
+        """Run one prefill/decode step of every lane at once; one delta per job that sampled a
+        token."""
+        running = [(lane, lane.submit(lane.generator.next)) for lane in self._lanes if lane.jobs]
+        stepped = [(lane, future.result()[1]) for lane, future in running]
+        self._largest_batch = max(
+            self._largest_batch, sum(len(responses) for _, responses in stepped)
+        )
+        return [self._delta(lane, r) for lane, responses in stepped for r in responses]
+
+    def _delta(self, lane: _Lane, r: Any) -> TokenDelta:
+        """What one generation response means for its job."""
+        job = lane.jobs[r.uid]
+        job.tokens += 1
+        if r.token not in self._eos_ids:  # EOS is never text, even with ignore_eos
+            job.detokenizer.add_token(r.token)
+        if r.finish_reason is not None:
+            job.detokenizer.finalize()
+        text, hit_stop = job.feed(job.detokenizer.last_segment, r.finish_reason is not None)
+        finish: EngineFinish | None = "stop" if hit_stop else r.finish_reason
+        if finish is not None:
+            del lane.jobs[r.uid], self._where[job.job_id]
+            if r.finish_reason is None:  # a stop string is ours; the generator's own it dropped
+                lane.call(lane.generator.remove, [r.uid])
+        return TokenDelta(job.job_id, text, job.tokens, finish)
 
     def warmup(self) -> None:
         """Run one short generation so the first real job does not pay for lazy setup.
 
-        Call it before adding jobs: it steps until the engine is empty and drops the deltas.
+        Call it before adding jobs: it gives every lane a job, steps until the engine is empty
+        and drops the deltas.
         """
         params = SamplingParams.model_validate({"max_tokens": 4, "ignore_eos": True})
-        self.add("__warmup__", self.encode("warmup", None), params)
-        while self._jobs:
+        for lane in range(self.lanes):
+            self.add(f"__warmup_{lane}__", self.encode("warmup", None), params)
+        while self._where:
             self.step()
 
     def close(self) -> None:
-        """Drop every job and give back what the generator holds (the wired-memory limit)."""
-        self._generator.remove(list(self._jobs))
-        self._jobs.clear()
-        self._uids.clear()
-        self._generator.close()
+        """Drop every job and give back what the generators hold (the wired-memory limit)."""
+        for lane in self._lanes:
+            lane.close()
+        self._where.clear()
 
     def _sampler(self, params: SamplingParams) -> Sampler | None:
         if params.temperature == 0.0:

@@ -72,6 +72,7 @@ class RunnerSpec(BaseModel):
     restarts: int = 0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
+    lanes: int | None = None  # None: the engine's default for the device
     log_level: str = "INFO"
 
 
@@ -228,7 +229,9 @@ class Runner:
             tokenizer,
             completion_batch_size=self.spec.completion_batch_size,
             prefill_batch_size=self.spec.prefill_batch_size,
+            lanes=self.spec.lanes,
         )
+        self.state = self.state.model_copy(update={"lanes": self.engine.lanes})
         self.publish(RunnerStatus.WARMING_UP)
         self.engine.warmup()
 

@@ -109,6 +109,7 @@ class RunnerSupervisor:
                 result_ttl_s=settings.result_expires_s,
                 completion_batch_size=settings.completion_batch_size,
                 prefill_batch_size=settings.prefill_batch_size,
+                lanes=settings.runner_lanes,
                 log_level=settings.log_level,
             )
             self.handles[spec.runner_id] = RunnerHandle(spec)

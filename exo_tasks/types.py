@@ -333,6 +333,7 @@ class RunnerState(BaseModel):
     pid: int | None = None
     active_jobs: int = 0
     largest_batch: int = 0
+    lanes: int = Field(1, description="Batches run side by side (one per CPU core on the CPU).")
     model_loads: int = 0
     restarts: int = 0
     error: str | None = None

@@ -86,7 +86,10 @@ def stack(
 ) -> Iterator[Stack]:
     """One host serving the tiny model, shared by the tests that do not break anything."""
     data_dir = tmp_path_factory.mktemp("stack")
-    worker = start_worker(session_processes, redis_server.url, "host-a", [tiny_model], data_dir)
+    # Two lanes whatever the machine: every test on this stack runs them.
+    worker = start_worker(
+        session_processes, redis_server.url, "host-a", [tiny_model], data_dir, runner_lanes=2
+    )
     wait_runner_ready(store, worker)
     api = Api(api_settings(redis_server.url, [tiny_model]))
     yield Stack(redis=redis_server, store=store, worker=worker, api=api)

@@ -30,9 +30,9 @@ def loaded(tiny_model: Path) -> tuple[Any, Any]:
     return loaded[0], loaded[1]
 
 
-@pytest.fixture
-def engine(loaded: tuple[Any, Any]) -> Iterator[BatchEngine]:
-    engine = BatchEngine(*loaded)
+@pytest.fixture(params=[1, 2], ids=["one_lane", "two_lanes"])
+def engine(loaded: tuple[Any, Any], request: pytest.FixtureRequest) -> Iterator[BatchEngine]:
+    engine = BatchEngine(*loaded, lanes=request.param)
     yield engine
     engine.close()
 
@@ -220,3 +220,35 @@ def test_encode_and_warmup(loaded: tuple[Any, Any], engine: BatchEngine) -> None
     run.add("first", "Hello", max_tokens=10)
     run.until_done()
     assert run.text("first") == alone(loaded, "Hello", 10)[0]
+
+
+def test_jobs_are_spread_over_lanes_that_step_together(loaded: tuple[Any, Any]) -> None:
+    engine = BatchEngine(*loaded, lanes=2)
+    try:
+        run = Run(engine)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            run.add(str(i), prompt, max_tokens=12)
+        assert engine.lanes == 2 and engine.lane_jobs == [3, 0]  # too few to split
+        for i, prompt in enumerate(PROMPTS[3:6], start=3):
+            run.add(str(i), prompt, max_tokens=12)
+        assert engine.lane_jobs == [4, 2]  # the second lane opens once the first holds 4
+        while not all(run.deltas[str(i)] for i in range(6)):
+            run.step()
+        assert engine.largest_batch == 6  # one step sampled for the jobs of both lanes
+        run.add("late", PROMPTS[6], max_tokens=12)
+        assert engine.lane_jobs == [4, 3]  # a newcomer goes to the lane with fewer jobs
+        run.until_done()
+        assert engine.lane_jobs == [0, 0]
+        for i, prompt in enumerate(PROMPTS[:6]):
+            assert run.text(str(i)) == alone(loaded, prompt, 12)[0]
+        assert run.text("late") == alone(loaded, PROMPTS[6], 12)[0]
+    finally:
+        engine.close()
+
+
+def test_lanes_share_the_batch_limit_and_never_outnumber_it(loaded: tuple[Any, Any]) -> None:
+    one_at_a_time = BatchEngine(*loaded, completion_batch_size=1, prefill_batch_size=1, lanes=4)
+    try:
+        assert one_at_a_time.lanes == 1
+    finally:
+        one_at_a_time.close()

@@ -71,7 +71,7 @@ def test_eight_concurrent_jobs_share_one_batch_and_match_mlx_lm(
         assert job["status"] == "succeeded"
         assert job["output"]["text"] == mlx_reference(prompt, 160), prompt
     runner = stack.api.get("/v1/runners/tiny@host-a").json()
-    assert runner["largest_batch"] >= 8
+    assert runner["largest_batch"] >= 8 and runner["lanes"] == 2
 
 
 def test_ten_jobs_in_a_row_load_the_model_once(stack: Stack) -> None:
