@@ -4,9 +4,10 @@ The runner process owns the model and drives `BatchEngine.step()` in its loop; j
 and removed between steps, while others are mid-generation. Not thread-safe: one caller only.
 
 Jobs are spread over lanes: each lane is one BatchGenerator on its own MLX stream, driven by
-its own thread, and a step runs every lane at once. On a GPU one lane is best (it is one
-device). On the CPU, MLX runs a stream's operations one after another on one thread, so a
-single batch keeps one core busy however many there are; lanes keep them all busy.
+its own thread (lane 0 by the caller's), and a step runs every lane at once. On a GPU one lane
+is best (it is one device). On the CPU, MLX runs a stream's operations one after another on
+one thread, so a single batch keeps one core busy however many there are; lanes keep them all
+busy.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class _LaneThread:
     def number(cls, index: int) -> _LaneThread:
         with cls._made_lock:
             while len(cls._made) <= index:
-                cls._made.append(cls(f"engine-lane-{len(cls._made)}"))
+                cls._made.append(cls(f"engine-lane-{len(cls._made) + 1}"))  # lane 0: the caller
             return cls._made[index]
 
     def __init__(self, name: str) -> None:
@@ -139,10 +140,21 @@ class _LaneThread:
     def _serve(self) -> None:
         while True:
             future, call = self._calls.get()
-            try:
-                future.set_result(call())
-            except Exception as exc:  # noqa: BLE001 (the caller gets it from the future)
-                future.set_exception(exc)
+            _settle(future, call)
+
+
+def _run_here(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """Lane 0's `submit`: it runs on the engine's caller's thread, at once."""
+    future: Future[T] = Future()
+    _settle(future, functools.partial(fn, *args, **kwargs))
+    return future
+
+
+def _settle(future: Future[T], call: Callable[[], T]) -> None:
+    try:
+        future.set_result(call())
+    except Exception as exc:  # noqa: BLE001 (the caller gets it from the future)
+        future.set_exception(exc)
 
 
 class _Lane:
@@ -150,9 +162,13 @@ class _Lane:
     so every call on the generator goes through that thread)."""
 
     def __init__(
-        self, thread: _LaneThread, model: Any, completion_batch_size: int, prefill_batch_size: int
+        self,
+        submit: Callable[..., Future[Any]],  # runs a call on the lane's thread
+        model: Any,
+        completion_batch_size: int,
+        prefill_batch_size: int,
     ) -> None:
-        self.submit = thread.submit
+        self.submit = submit
         self.jobs: dict[int, _Job] = {}  # by generator uid
         # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
         self.generator: Any = self.call(
@@ -164,7 +180,8 @@ class _Lane:
         )
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return self.submit(fn, *args, **kwargs).result()
+        result: T = self.submit(fn, *args, **kwargs).result()
+        return result
 
     def close(self) -> None:
         self.call(self.generator.remove, list(self.jobs))
@@ -173,7 +190,7 @@ class _Lane:
 
 
 class BatchEngine:
-    """Jobs in, token deltas out: a thin, job-id-keyed layer over mlx-lm's BatchGenerator."""
+    """Jobs in, token deltas out: a thin, job-id-keyed layer over mlx-lm's BatchGenerators."""
 
     def __init__(
         self,
@@ -192,9 +209,10 @@ class BatchEngine:
         # The batch limits are the engine's: a lane takes its share (a lane per job at most).
         count = min(lanes or default_lanes(), completion_batch_size)
         per_lane = math.ceil(completion_batch_size / count)
+        # Lane 0 runs on the caller's thread: one lane (a GPU) costs no thread hop at all.
+        submits = [_run_here] + [_LaneThread.number(i).submit for i in range(count - 1)]
         self._lanes = [
-            _Lane(_LaneThread.number(i), model, per_lane, min(prefill_batch_size, per_lane))
-            for i in range(count)
+            _Lane(submit, model, per_lane, min(prefill_batch_size, per_lane)) for submit in submits
         ]
         self._where: dict[str, tuple[_Lane, int]] = {}  # job id -> its lane and generator uid
         self._samplers: dict[tuple[float, float], Sampler] = {}
@@ -265,7 +283,9 @@ class BatchEngine:
     def step(self) -> list[TokenDelta]:
         """Run one prefill/decode step of every lane at once; one delta per job that sampled a
         token."""
-        running = [(lane, lane.submit(lane.generator.next)) for lane in self._lanes if lane.jobs]
+        # Lane 0 runs here, when it is submitted: the others are started before it.
+        busy = [lane for lane in reversed(self._lanes) if lane.jobs]
+        running = [(lane, lane.submit(lane.generator.next)) for lane in busy]
         stepped = [(lane, future.result()[1]) for lane, future in running]
         self._largest_batch = max(
             self._largest_batch, sum(len(responses) for _, responses in stepped)
