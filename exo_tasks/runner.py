@@ -109,6 +109,7 @@ class RunnerProgress:
 @dataclass
 class ActiveJob:
     record: JobRecord
+    soft_deadline: float
     deadline: float
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
@@ -383,7 +384,7 @@ class Runner:
             self.store.release_job(self.spec.runner_id, job.id)
             self.store.fail_job(job.id, str(exc))
             return
-        self.active[job.id] = ActiveJob(started, command.deadline)
+        self.active[job.id] = ActiveJob(started, command.soft_deadline, command.deadline)
         self._observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
         self._record_progress(progressed=True)
         log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt_tokens)})
@@ -473,11 +474,15 @@ class Runner:
         self._after_job_left()
 
     def _drop_expired(self) -> None:
-        # The task's hard time limit kills its pool child before it can tell us: check ourselves.
+        """End the jobs past their time limits by our own clock. The task's hard limit kills its
+        pool child before it can tell us, and the signal that brings the soft limit to the task
+        can be lost (seen: a limit logged by the worker, never raised in the child)."""
         now = time.time()
         for job_id, job in list(self.active.items()):
             if now > job.deadline:
                 self._end(job_id, "failed", "time_limit", "hard time limit exceeded")
+            elif now > job.soft_deadline:
+                self._end(job_id, "timed_out", "time_limit")
 
     # --- stopping ---
 

@@ -165,6 +165,12 @@ class Store:
     def ping(self) -> bool:
         return bool(self.redis.ping())
 
+    def drop_connections(self) -> None:
+        """Close every connection, after an exception raised from outside (a signal's) that
+        may have landed between a command and its reply: the next command on that connection
+        would read the unread reply as its own (seen: the runner's state read as a job)."""
+        self.redis.connection_pool.disconnect()
+
     def queue_depth(self, queue: str) -> int:
         """Messages waiting in a Celery queue, across its priority lists (kombu's layout)."""
         pipe = self.redis.pipeline(transaction=False)

@@ -12,6 +12,7 @@ import redis
 from billiard.einfo import ExceptionInfo
 from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.signals import task_failure
 from kombu.exceptions import KombuError
 
 from exo_tasks.celery_app import (
@@ -65,6 +66,24 @@ class InferenceTask(Task):  # type: ignore[type-arg]
                 app.store.send_to_runner(job.runner_id, CancelJob(job_id=task_id))
 
 
+@task_failure.connect
+def _time_out_a_task_cut_before_its_body(
+    sender: Task[Any, Any] | None = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    **_: Any,
+) -> None:
+    """A soft limit that fires while Celery still decodes the message fails the task outside
+    its body, as DecodeError(SoftTimeLimitExceeded()): Celery then calls no on_failure, only
+    sends this signal (from the worker's main process), and the message is acked. End the
+    job as on_failure would, or it would stay queued for good."""
+    if sender is None or sender.name != INFERENCE_TASK or task_id is None:
+        return
+    causes = [exception, *getattr(exception, "args", ())]
+    if any(isinstance(cause, SoftTimeLimitExceeded) for cause in causes):
+        _time_out(cast(ExoCelery, sender.app).store, task_id)
+
+
 def _app(task: Task[Any, Any]) -> ExoCelery:
     return cast(ExoCelery, task.app)
 
@@ -94,7 +113,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         state = _await_runner(
             store, runner_id, state, settings.runner_start_timeout_s, pinned=job.request.host
         )
-        hard_limit = (self.request.timelimit or (None, None))[0] or settings.job_hard_time_limit_s
+        hard_limit, soft_limit = self.request.timelimit or (None, None)
         # A first attempt has no ending and no events yet: no round trip to find where it starts.
         first = job.status == "queued" and job.attempts == 0
         after, events_before = ("0-0", 0) if first else store.attempt_start(job_id)
@@ -107,7 +126,12 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
             }
         )
         if not store.hand_over(
-            runner_id, SubmitJob(job=started, deadline=time.time() + hard_limit)
+            runner_id,
+            SubmitJob(
+                job=started,
+                soft_deadline=time.time() + (soft_limit or settings.job_soft_time_limit_s),
+                deadline=time.time() + (hard_limit or settings.job_hard_time_limit_s),
+            ),
         ):
             return _summary(job_id, store.get_job(job_id))  # cancelled meanwhile
         runner = state
@@ -115,6 +139,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         progress = Progress(self, job.request.max_tokens, events_before)
         return _summary(job_id, _follow(store, job_id, runner, after, progress=progress))
     except SoftTimeLimitExceeded:
+        store.drop_connections()  # the limit may have cut a round trip in half
         log.warning("soft time limit reached; ending the job", extra=extra)
         if runner is None:  # not handed over yet: nothing ran
             _time_out(store, job_id)

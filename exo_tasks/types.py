@@ -241,7 +241,11 @@ JobEvent = Annotated[TokenEvent | DoneEvent | RequeuedEvent, Field(discriminator
 class SubmitJob(BaseModel):
     kind: Literal["submit"] = "submit"
     job: JobRecord = Field(description="The job as its task marked it running.")
-    deadline: float = Field(description="Unix time after which the runner drops the job.")
+    soft_deadline: float = Field(
+        description="Unix time after which the runner ends the job timed_out: the soft time "
+        "limit, kept by the runner too, since the signal that brings it to the task can be lost."
+    )
+    deadline: float = Field(description="Unix time after which the runner drops the job (failed).")
 
 
 class CancelJob(BaseModel):

@@ -10,11 +10,13 @@ import os
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
+from exo_tasks.types import JobRecord, JobRequest, SubmitJob, runner_id_for, utcnow
 from tests.conftest import (
     LONG,
     Stack,
@@ -209,17 +211,41 @@ def test_soft_time_limit_keeps_partial_text_and_the_warm_model(
     assert after.pid == before.pid and after.model_loads == 1
 
 
-@pytest.mark.parametrize("timeout_s", [1e-9, 1e-3])
+@pytest.mark.parametrize("timeout_s", [1e-9, 1e-3, 2e-3, 4e-3])
 def test_a_soft_limit_before_the_hand_over_ends_the_job_timed_out(
     stack: Stack, timeout_s: float
 ) -> None:
-    # The limit can fire before the task's body runs, or while it reads the job: either way
-    # the job must end, not stay queued with its message gone.
+    # The limit can fire before the task's body runs, while it reads the job (between a Redis
+    # command and its reply), or just after the hand-over: every way the job must end, not
+    # stay queued with its message gone, or running.
     host = stack.worker.host  # the session's worker: not one a previous test is stopping
-    jobs = [stack.api.submit(**LONG, host=host, timeout_s=timeout_s) for _ in range(5)]
+    jobs = [stack.api.submit(**LONG, host=host, timeout_s=timeout_s) for _ in range(8)]
     for job_id in jobs:
         job = stack.api.wait_job(job_id, timeout_s=10)
         assert job["status"] == "timed_out" and job["output"]["finish_reason"] == "time_limit"
+
+
+def test_the_runner_keeps_the_soft_limit_when_no_signal_brings_it(stack: Stack) -> None:
+    # A job handed to the runner with no task behind it, as when the soft limit's signal to the
+    # pool child is lost: only the runner's own clock can end it.
+    runner_id = runner_id_for("tiny", stack.worker.host)
+    before = stack.store.get_runner(runner_id)
+    job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=JobRequest.model_validate(LONG))
+    stack.store.create_job(job, "exo.test-no-task", max_queued=1)
+    started = job.model_copy(
+        update={"status": "running", "started_at": utcnow(), "runner_id": runner_id}
+    )
+    handed_over = time.monotonic()
+    command = SubmitJob(job=started, soft_deadline=time.time() + 1, deadline=time.time() + 60)
+    assert stack.store.hand_over(runner_id, command)
+
+    ended = stack.api.wait_job(job.id, timeout_s=5)
+    assert 1 <= time.monotonic() - handed_over < 2.5
+    assert ended["status"] == "timed_out" and ended["output"]["finish_reason"] == "time_limit"
+    assert 0 < ended["usage"]["completion_tokens"] < 4000 and ended["output"]["text"]
+    after = stack.store.get_runner(runner_id)
+    assert before is not None and after is not None
+    assert after.pid == before.pid and after.status.accepts_jobs
 
 
 def test_hard_time_limit_replaces_the_pool_child_and_fails_the_job(

@@ -20,7 +20,7 @@ def running(job: JobRecord, runner_id: str) -> SubmitJob:
     started = job.model_copy(
         update={"status": "running", "started_at": utcnow(), "runner_id": runner_id}
     )
-    return SubmitJob(job=started, deadline=time.time() + 60)
+    return SubmitJob(job=started, soft_deadline=time.time() + 30, deadline=time.time() + 60)
 
 
 def test_a_job_is_created_only_while_its_queue_has_room(store: Store) -> None:
