@@ -54,9 +54,6 @@ class InferenceTask(Task):  # type: ignore[type-arg]
     def on_failure(
         self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: ExceptionInfo
     ) -> None:
-        # A soft limit that fired before the task's body ran (a very short `timeout_s`).
-        if isinstance(exc, SoftTimeLimitExceeded):
-            _time_out(cast(ExoCelery, self.app).store, task_id)
         # A hard time limit kills the pool child; Celery then calls this in the main process.
         if isinstance(exc, TimeLimitExceeded):
             app = cast(ExoCelery, self.app)
@@ -73,10 +70,12 @@ def _time_out_a_task_cut_before_its_body(
     exception: BaseException | None = None,
     **_: Any,
 ) -> None:
-    """A soft limit that fires while Celery still decodes the message fails the task outside
-    its body, as DecodeError(SoftTimeLimitExceeded()): Celery then calls no on_failure, only
-    sends this signal (from the worker's main process), and the message is acked. End the
-    job as on_failure would, or it would stay queued for good."""
+    """A soft limit that fired before the task's body could catch it (a very short
+    `timeout_s`) fails the task, and its message is acked: end the job, or it stays queued for
+    good. This signal is the one place that sees every such case: Celery sends it from the pool
+    child when the limit cut its tracer, and from the worker's main process (calling no
+    on_failure at all) when it cut the message's decoding, as
+    DecodeError(SoftTimeLimitExceeded())."""
     if sender is None or sender.name != INFERENCE_TASK or task_id is None:
         return
     causes = [exception, *getattr(exception, "args", ())]
@@ -125,12 +124,13 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
                 "runner_id": runner_id,
             }
         )
+        now = time.time()
         if not store.hand_over(
             runner_id,
             SubmitJob(
                 job=started,
-                soft_deadline=time.time() + (soft_limit or settings.job_soft_time_limit_s),
-                deadline=time.time() + (hard_limit or settings.job_hard_time_limit_s),
+                soft_deadline=now + (soft_limit or settings.job_soft_time_limit_s),
+                deadline=now + (hard_limit or settings.job_hard_time_limit_s),
             ),
         ):
             return _summary(job_id, store.get_job(job_id))  # cancelled meanwhile
