@@ -31,7 +31,15 @@ def queue_lists(queue: str) -> list[str]:
     return [f"{queue}{PRIORITY_SEP}{step}" if step else queue for step in PRIORITY_STEPS]
 
 
-def _task_id(message: Any) -> str | None:
+def _task_id(raw: str, *, unacked: bool = False) -> str | None:
+    """The task id in a raw message (an unacked entry wraps it in a list), None for anything
+    that is not a Celery message: one foreign entry must not stop the recovery loop."""
+    try:
+        message = json.loads(raw)
+    except ValueError:
+        return None
+    if unacked:
+        message = message[0] if isinstance(message, list) and message else None
     headers = message.get("headers") if isinstance(message, dict) else None
     task_id = headers.get("id") if isinstance(headers, dict) else None
     return task_id if isinstance(task_id, str) else None
@@ -73,11 +81,11 @@ def read_messages(redis: Any, queues: Iterable[str]) -> Messages:
         task_id
         for raw_messages in queued
         for raw in raw_messages
-        if (task_id := _task_id(json.loads(raw))) is not None
+        if (task_id := _task_id(raw)) is not None
     }
     delivered = dict(index)
     entries = [
-        Unacked(tag=tag, task_id=_task_id(json.loads(raw)[0]), delivered_at=delivered[tag])
+        Unacked(tag=tag, task_id=_task_id(raw, unacked=True), delivered_at=delivered[tag])
         for tag, raw in unacked.items()
         if tag in delivered
     ]

@@ -27,9 +27,8 @@ from collections.abc import Callable
 
 import redis
 
-from exo_tasks import jobs as job_service
 from exo_tasks.broker import Broker, Messages
-from exo_tasks.store import Store
+from exo_tasks.store import JobWhereabouts, Store
 from exo_tasks.types import HostState, JobRecord, RunnerState, RunnerStatus, utcnow
 
 log = logging.getLogger("exo_tasks.recovery")
@@ -49,6 +48,10 @@ LOST_GRACE_S = 5.0
 
 def new_incarnation(host: str) -> str:
     return f"{host}:{os.getpid()}:{int(time.time() * 1000)}"
+
+
+def host_of(incarnation: str) -> str:
+    return incarnation.rsplit(":", 2)[0]
 
 
 class Presence:
@@ -141,14 +144,14 @@ class Recovery:
                 extra={"incarnation": previous.incarnation, "messages": len(previous.held)},
             )
         for job in self.store.active_jobs():
-            if job.status == "running" and job.host == self.host and job.owner != self.incarnation:
+            if job.status == "running" and job.owner and host_of(job.owner) == self.host:
                 self._requeue(job, "its worker on this host was restarted")
 
     def sweep(self) -> None:
         now = time.time()
         hosts, runners = self.store.fleet()
         active = self.store.active_jobs()
-        messages = self.broker.messages(job_service.queue_of(job) for job in active)
+        messages = self.broker.messages(job.queue for job in active if job.queue)
         self._restore_orphaned_messages(messages, {tag for h in hosts for tag in h.held}, now)
         live = {h.incarnation for h in hosts}
         for job in active:
@@ -167,7 +170,7 @@ class Recovery:
                 "orphaned messages restored to their queues", extra={"messages": len(orphaned)}
             )
 
-    def _requeue(self, job: JobRecord, why: str) -> None:
+    def _requeue(self, job: JobWhereabouts, why: str) -> None:
         requeued = self.store.requeue_job(job.id, only_from=job.owner)
         if job.runner_id is not None:
             self.store.release_job(job.runner_id, job.id)
@@ -175,20 +178,16 @@ class Recovery:
             extra = {"job_id": job.id, "owner": job.owner, "attempt": requeued.attempts}
             log.warning(f"job requeued: {why}", extra=extra)
 
-    def _resend_lost(self, active: list[JobRecord], messages: Messages, now: float) -> None:
+    def _resend_lost(self, active: list[JobWhereabouts], messages: Messages, now: float) -> None:
         """Queued jobs whose message is in no queue and held by no worker, seen so twice
         LOST_GRACE_S apart, get a new message (one sweep at a time: the lease)."""
-        missing = {
-            job.id: job
-            for job in active
-            if job.status == "queued" and not messages.has_task(job.id)
-        }
-        for job_id in list(self._missing_since):
-            if job_id not in missing:
-                del self._missing_since[job_id]
-        for job_id, job in missing.items():
+        missing = {j.id for j in active if j.status == "queued" and not messages.has_task(j.id)}
+        for job_id in set(self._missing_since) - missing:
+            del self._missing_since[job_id]
+        for job_id in missing:
             since = self._missing_since.setdefault(job_id, now)
-            if now - since >= LOST_GRACE_S:
+            job = self.store.get_job(job_id) if now - since >= LOST_GRACE_S else None
+            if job is not None and job.status == "queued":
                 del self._missing_since[job_id]
                 self.resend(job)
                 log.warning("lost message sent again", extra={"job_id": job_id})

@@ -8,6 +8,7 @@ others are no-ops: a job never ends twice.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -69,13 +70,13 @@ return 1
 """
 
 # KEYS: job hash, recent jobs, active jobs, then the queue's lists. ARGV: the most messages
-# allowed in the queue, status, record, created_at, job id. Creates the job unless the queue is
-# full; returns the messages found in the queue.
+# allowed in the queue, status, record, created_at, job id, queue. Creates the job unless the
+# queue is full; returns the messages found in the queue.
 _CREATE_UNLESS_FULL = f"""
 local depth = 0
 for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 if depth >= tonumber(ARGV[1]) then return depth end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'record', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'record', ARGV[3], 'queue', ARGV[6])
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -{RECENT_JOBS_KEPT + 1})
@@ -83,12 +84,13 @@ return depth
 """
 
 # KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
-# id, the submit command, the worker incarnation that now owns it. A queued job is marked
-# running, counted as the runner's and put in its inbox at once; a job no longer queued
-# (cancelled meanwhile) is left alone.
+# id, the submit command, the worker incarnation that now owns it, the runner's id. A queued
+# job is marked running, counted as the runner's and put in its inbox at once; a job no longer
+# queued (cancelled meanwhile) is left alone.
 _HAND_OVER = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'record', ARGV[1], 'owner', ARGV[4])
+redis.call('HSET', KEYS[1], 'status', 'running', 'record', ARGV[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'runner', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('RPUSH', KEYS[3], ARGV[3])
 return 1
@@ -117,6 +119,18 @@ if holder and holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
+
+
+@dataclass(frozen=True)
+class JobWhereabouts:
+    """Where an active job is: the queue its message goes to and, once running, the worker
+    incarnation that owns it and the runner that has it."""
+
+    id: str
+    status: str
+    queue: str
+    owner: str | None
+    runner_id: str | None
 
 
 def connect(url: str) -> redis.Redis:
@@ -197,7 +211,8 @@ class Store:
         """Record a new job unless `queue` holds `max_queued` messages already, in one round
         trip. Returns the messages found in the queue: the job was created if fewer."""
         keys = [job_key(job.id), f"{PREFIX}:jobs", ACTIVE_JOBS, *queue_lists(queue)]
-        args = [max_queued, job.status, job.model_dump_json(), job.created_at.timestamp(), job.id]
+        created = job.created_at.timestamp()
+        args = [max_queued, job.status, job.model_dump_json(), created, job.id, queue]
         return int(self._create_unless_full(keys=keys, args=args))
 
     def get_job(self, job_id: str) -> JobRecord | None:
@@ -339,11 +354,18 @@ class Store:
         if its worker dies before the runner ends it."""
         self.redis.hset(job_key(job_id), "cancel", 1)
 
-    def active_jobs(self) -> list[JobRecord]:
-        """Every job queued or running, wherever it is."""
+    def active_jobs(self) -> list[JobWhereabouts]:
+        """Every job queued or running, wherever it is: its status and whereabouts only (the
+        recovery loop reads this every sweep; records can hold megabytes of prompt)."""
         ids = sorted(self.redis.smembers(ACTIVE_JOBS))
-        records = [JobRecord.model_validate_json(raw) for raw in self._pipeline_get(ids) if raw]
-        return [job for job in records if not job.is_terminal]
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(job_key(job_id), "status", "queue", "owner", "runner")
+        return [
+            JobWhereabouts(job_id, status, queue or "", owner or None, runner or None)
+            for job_id, (status, queue, owner, runner) in zip(ids, pipe.execute(), strict=True)
+            if status in lifecycle.ACTIVE
+        ]
 
     # --- a job's event stream ---
 
@@ -429,7 +451,13 @@ class Store:
         False if the job is no longer queued."""
         job = command.job
         keys = [job_key(job.id), f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox"]
-        args = [job.model_dump_json(), job.id, command.model_dump_json(), job.owner or ""]
+        args = [
+            job.model_dump_json(),
+            job.id,
+            command.model_dump_json(),
+            job.owner or "",
+            runner_id,
+        ]
         return bool(self._hand_over(keys=keys, args=args))
 
     def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:

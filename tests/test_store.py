@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from exo_tasks import lifecycle
+from exo_tasks import broker, lifecycle
 from exo_tasks.metrics import Observations
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, SubmitJob, TokenEvent, utcnow
@@ -129,3 +129,9 @@ def test_the_recovery_lease_has_one_holder_until_it_lapses(store: Store) -> None
     assert not store.hold_lease("b", 0.3)
     time.sleep(0.4)
     assert store.hold_lease("b", 0.3)
+
+
+def test_foreign_entries_in_a_queue_do_not_hide_celery_messages(store: Store) -> None:
+    queue = f"exo.model.junk-{uuid.uuid4().hex[:6]}"
+    store.redis.lpush(queue, "not json", '{"headers": {"id": "task-1"}}', "[1, 2]")
+    assert broker.read_messages(store.redis, [queue]).queued_task_ids == {"task-1"}
