@@ -10,7 +10,7 @@ from flask import Flask, Response, current_app, jsonify, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from exo_tasks.errors import ExoError
+from exo_tasks.errors import ExoError, StorageFull
 
 log = logging.getLogger("exo_tasks.api")
 # These routes answer errors in OpenAI's shape, so that OpenAI clients can read them.
@@ -97,11 +97,25 @@ def handle(exc: Exception) -> Response:
         # What the exception says besides its body, such as `Allow` on a 405 (RFC 9110).
         response.headers.update({k: v for k, v in exc.get_headers() if k != "Content-Type"})
         return response
+    if isinstance(exc, redis.ResponseError) and is_out_of_memory(exc):
+        log.error("redis is full: %s", exc)
+        full = StorageFull(
+            "the job store (Redis) is full and refuses writes; retry later "
+            "(EXO_REDIS_MAXMEMORY_MB, EXO_JOB_TTL_S)"
+        )
+        return error_response(full.status, full.type, full.message)
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         log.error("redis unreachable: %s", exc)
         return error_response(503, "unavailable", "the broker (Redis) is unreachable; retry soon")
     log.exception("unhandled error")
     return error_response(500, "internal_error", "internal error; see the API logs")
+
+
+def is_out_of_memory(exc: redis.ResponseError) -> bool:
+    """Redis at its maxmemory refused a write: OOM, or a script's write failing on OOM."""
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in str(
+        exc
+    )
 
 
 def init_app(app: Flask) -> None:

@@ -287,6 +287,8 @@ CAPS = {
     "max_tokens": ("maximum", "integer", "max_tokens"),
     "max_completion_tokens": ("maximum", "integer", "max_tokens"),
     "prompt": ("maxLength", "string", "max_prompt_chars"),
+    # Each message costs a token at least (exo_tasks.types.MIN_TOKENS_PER_MESSAGE).
+    "messages": ("maxItems", "array", "max_prompt_tokens"),
 }
 
 
