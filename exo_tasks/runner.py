@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from exo_tasks import metrics
 from exo_tasks.logs import configure_logging
-from exo_tasks.store import Store, UnreadableCommand
+from exo_tasks.store import Store, UnreadableCommand, is_out_of_memory
 from exo_tasks.types import (
     CancelJob,
     FinishReason,
@@ -58,6 +58,14 @@ STATE_DELAY_S = 0.05
 GATHER_GAP_S = 0.05
 GATHER_STEP_SHARE = 0.25
 GATHER_MAX_S = 0.25
+
+
+def redis_waits(exc: redis.RedisError) -> bool:
+    """Redis is unreachable, or full (it refuses writes until keys expire): the runner keeps
+    what it owes Redis and tries again, rather than failing its jobs."""
+    return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or (
+        isinstance(exc, redis.ResponseError) and is_out_of_memory(exc)
+    )
 
 
 class RunnerSpec(BaseModel):
@@ -284,8 +292,10 @@ class Runner:
                     return
                 if self.active:
                     self._step()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unreachable; runner waits for it", extra={"error": str(exc)})
+            except redis.RedisError as exc:
+                if not redis_waits(exc):
+                    raise
+                log.warning("redis unreachable or full; runner waits", extra={"error": str(exc)})
                 time.sleep(REDIS_RETRY_S)
 
     def _flush(self) -> None:
@@ -346,8 +356,9 @@ class Runner:
         while True:
             try:
                 self._handle(command)
-            except (redis.ConnectionError, redis.TimeoutError):
-                self.commands.put(command)  # handled again once Redis is back
+            except redis.RedisError as exc:
+                if redis_waits(exc):
+                    self.commands.put(command)  # handled again once Redis is back
                 raise
             try:
                 command = self.commands.get_nowait()

@@ -131,6 +131,11 @@ class UnreadableCommand:
         return cls(job_id if isinstance(job_id, str) else None, problems)
 
 
+def is_out_of_memory(exc: redis.ResponseError) -> bool:
+    """Redis at its maxmemory refused a write: OOM, or a script's write failing on OOM."""
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not" in str(exc)
+
+
 def connect(url: str) -> redis.Redis:
     # Short connect timeout: with Redis down, callers fail fast instead of hanging.
     return redis.Redis.from_url(

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from exo_tasks.errors import ExoError, StorageFull
+from exo_tasks.store import is_out_of_memory
 
 log = logging.getLogger("exo_tasks.api")
 # These routes answer errors in OpenAI's shape, so that OpenAI clients can read them.
@@ -109,13 +110,6 @@ def handle(exc: Exception) -> Response:
         return error_response(503, "unavailable", "the broker (Redis) is unreachable; retry soon")
     log.exception("unhandled error")
     return error_response(500, "internal_error", "internal error; see the API logs")
-
-
-def is_out_of_memory(exc: redis.ResponseError) -> bool:
-    """Redis at its maxmemory refused a write: OOM, or a script's write failing on OOM."""
-    return isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in str(
-        exc
-    )
 
 
 def init_app(app: Flask) -> None:
