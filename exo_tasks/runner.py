@@ -63,9 +63,7 @@ GATHER_MAX_S = 0.25
 def redis_waits(exc: redis.RedisError) -> bool:
     """Redis is unreachable, or full (it refuses writes until keys expire): the runner keeps
     what it owes Redis and tries again, rather than failing its jobs."""
-    return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or (
-        isinstance(exc, redis.ResponseError) and is_out_of_memory(exc)
-    )
+    return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or is_out_of_memory(exc)
 
 
 class RunnerSpec(BaseModel):

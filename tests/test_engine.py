@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_sampler
 
 from exo_tasks import engine as engine_module
 from exo_tasks.engine import BatchEngine, TokenDelta
@@ -302,9 +303,10 @@ def test_a_jobs_own_sampler_failing_fails_that_job_alone(
 def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
     loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shared = engine_module.make_sampler
     monkeypatch.setattr(
-        engine_module, "make_sampler", lambda t, top_p: raising_after(2, shared(t, top_p=top_p))
+        engine_module,
+        "make_sampler",
+        lambda t, top_p: raising_after(2, make_sampler(t, top_p=top_p)),
     )
     engine = BatchEngine(*loaded, lanes=2)
     try:

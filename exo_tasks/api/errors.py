@@ -98,7 +98,7 @@ def handle(exc: Exception) -> Response:
         # What the exception says besides its body, such as `Allow` on a 405 (RFC 9110).
         response.headers.update({k: v for k, v in exc.get_headers() if k != "Content-Type"})
         return response
-    if isinstance(exc, redis.ResponseError) and is_out_of_memory(exc):
+    if is_out_of_memory(exc):
         log.error("redis is full: %s", exc)
         full = StorageFull(
             "the job store (Redis) is full and refuses writes; retry later "

@@ -41,7 +41,7 @@ SUMMARY_TEXT_CHARS = 256
 
 def json_body(*, allow_empty: bool = False) -> dict[str, Any]:
     """The request's JSON object; `allow_empty`: a missing body means `{}` (all defaults)."""
-    if allow_empty and not _whole_body():
+    if not _whole_body() and allow_empty:
         return {}
     try:
         body = request.get_json(silent=True)
