@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 import redis as redis_lib
 import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from exo_tasks import engine as engine_module
 from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec
@@ -368,3 +371,102 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
         job = store.get_job(job_id)
         assert job is not None and job.status == "succeeded", job
     assert store.redis.scard(f"{runner_key('tiny@here')}:jobs") == 0
+
+
+# --- generated bodies: whatever a client sends, it fails its own request or job alone ---
+
+
+def raw(value: Any) -> str:
+    return json.dumps(value)
+
+
+HOSTILE: st.SearchStrategy[str] = st.one_of(
+    st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "null", "true", "5.0", '"5"', "{}"]),
+    st.integers().map(raw),
+    st.integers(min_value=2**63, max_value=2**90).map(raw),
+    st.floats(allow_nan=False, allow_infinity=False).map(raw),
+    st.text(max_size=30).map(raw),
+    st.integers(1, 400_000).map(lambda n: raw("x" * n)),  # huge
+    st.integers(1, 3_000).map(lambda depth: "[" * depth + "]" * depth),  # deep
+    st.integers(1, 40_000).map(lambda n: raw([{"role": "user", "content": ""}] * n)),  # many
+)
+# A sane value for each field, so that some generated jobs are accepted and run. `timeout_s`
+# is left out: its bounds are the time limits' (tested where those are).
+SANE: dict[str, st.SearchStrategy[str]] = {
+    "prompt": st.text(min_size=1, max_size=50).map(raw),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text()}
+        ),
+        min_size=1,
+        max_size=3,
+    ).map(raw),
+    "max_tokens": st.integers(1, 16).map(raw),
+    "temperature": st.floats(0, 2).map(raw),
+    "top_p": st.floats(0.01, 1).map(raw),
+    "seed": st.integers(0, 2**64 - 1).map(raw),
+    "stop": st.lists(st.text(min_size=1, max_size=5), max_size=4).map(raw),
+    "ignore_eos": st.booleans().map(raw),
+    "priority": st.sampled_from(["high", "normal", "low"]).map(raw),
+}
+
+
+@st.composite
+def job_bodies(draw: st.DrawFn) -> str:
+    """A JSON object of job fields (and strangers), most with a prompt or messages; each
+    field is hostile one time in four (strangers always)."""
+    keys = draw(st.lists(st.sampled_from([*SANE, "model", "host", "n"]), unique=True, max_size=5))
+    base = draw(st.sampled_from(["prompt", "messages", "prompt", None]))
+    if base is not None and base not in keys:
+        keys.insert(0, base)
+    parts = [
+        f"{raw(key)}: {draw(SANE[key] if key in SANE and draw(st.integers(0, 3)) else HOSTILE)}"
+        for key in keys
+    ]
+    return "{" + ", ".join(parts) + "}"
+
+
+def assert_in_shape(response: requests.Response) -> None:
+    """A 4xx in the error shape, naming the field (or the limit) it refuses."""
+    error = error_of(response, response.status_code)
+    assert error["type"] and "details" in error
+    details = error["details"]
+    if response.status_code == 413:
+        assert "EXO_MAX_BODY_BYTES" in error["message"]
+    elif isinstance(details, list):
+        assert details and all("field" in d and d["message"] for d in details)
+    else:
+        assert "field" in details
+
+
+@pytest.mark.usefixtures("same_runner")
+def test_generated_bodies_harm_nobody(stack: Stack, tiny_model: Path) -> None:
+    beside = stack.api.submit(prompt="another client", max_tokens=1500, ignore_eos=True)
+    # Small caps keep accepted jobs short.
+    api = Api(api_settings(stack.redis.url, [tiny_model], max_tokens=16))
+    accepted: list[str] = []
+    statuses: Counter[int] = Counter()
+
+    @given(body=job_bodies())
+    @settings(
+        max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
+    def sends(body: str) -> None:
+        response = post_raw(api, "/v1/jobs", body)
+        statuses[response.status_code] += 1
+        assert response.status_code < 500, (body[:300], response.text[:300])
+        if response.status_code == 202:
+            accepted.append(response.json()["id"])
+        else:
+            assert 400 <= response.status_code < 500, response.status_code
+            assert_in_shape(response)
+
+    try:
+        sends()
+    finally:
+        api.close()
+    assert statuses[202] and statuses[422], statuses  # some run, many are refused
+    for job_id in accepted:
+        assert stack.api.wait_job(job_id, timeout_s=60)["status"] in ("succeeded", "failed")
+    job = stack.api.wait_job(beside, timeout_s=120)
+    assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 1500
