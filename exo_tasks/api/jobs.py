@@ -26,6 +26,7 @@ from exo_tasks.types import (
     JobEvent,
     JobRecord,
     JobRequest,
+    JobSummary,
 )
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -35,8 +36,6 @@ QUEUE_FULL_RETRY_AFTER_S = 5
 MAX_LIST_LIMIT = 1000
 # A Redis stream id: milliseconds, then optionally a sequence number, each an unsigned 64-bit.
 STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
-# What a job summary (the job list, the 202 of a submission) keeps of the output text.
-SUMMARY_TEXT_CHARS = 256
 
 
 def json_body(*, allow_empty: bool = False) -> dict[str, Any]:
@@ -68,11 +67,7 @@ def public(job: JobRecord) -> dict[str, Any]:
 
 
 def summary(job: JobRecord) -> dict[str, Any]:
-    """The job without its prompt, messages and stop strings, its output text cut to
-    SUMMARY_TEXT_CHARS: what a list or a submission answers (GET /v1/jobs/<id> has it all)."""
-    body = job.model_dump(mode="json", exclude={"request": {"prompt", "messages", "stop"}})
-    body["output"]["text"] = job.output.text[:SUMMARY_TEXT_CHARS]
-    return body
+    return JobSummary.of(job).model_dump(mode="json")
 
 
 def resolve_model(context: ApiContext, requested: str | None, fleet: Fleet | None = None) -> str:
