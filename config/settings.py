@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     max_queued_jobs: int = 1000
     max_prompt_chars: int = 100_000
     max_prompt_tokens: int = Field(
-        16_384, ge=1, description="The cap on a prompt's tokens after the chat template."
+        8192, ge=1, description="The cap on a prompt's tokens after the chat template."
     )
     max_stop_chars: int = Field(256, ge=1, description="The cap on each stop string's length.")
     max_body_bytes: int = 1 << 20

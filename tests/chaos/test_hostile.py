@@ -119,7 +119,7 @@ def test_many_empty_messages_are_refused_at_submission(stack: Stack) -> None:
     body = {"messages": [{"role": "user", "content": ""}] * 31_500, "max_tokens": 1}
     error = error_of(stack.api.post("/v1/jobs", json=body), 422)
     assert fields(error) == ["messages"]
-    assert "at most 16384 (EXO_MAX_PROMPT_TOKENS)" in error["message"]
+    assert "at most 8192 (EXO_MAX_PROMPT_TOKENS)" in error["message"]
     assert stack.store.redis.zcard("exo:jobs") == before
 
 
@@ -127,10 +127,10 @@ def test_many_empty_messages_are_refused_at_submission(stack: Stack) -> None:
 def test_the_runner_refuses_a_prompt_over_the_token_cap_exactly(stack: Stack) -> None:
     """The API cannot tokenize; the runner can, and refuses at admission what is over."""
     beside = stack.api.submit(prompt="beside", max_tokens=300, ignore_eos=True)
-    over = stack.api.submit(prompt="p" * 20_000, max_tokens=1)
+    over = stack.api.submit(prompt="p" * 9_000, max_tokens=1)
     job = stack.api.wait_job(over)
     assert job["status"] == "failed"
-    assert "tokens after the chat template; at most 16384 (EXO_MAX_PROMPT_TOKENS)" in job["error"]
+    assert "tokens after the chat template; at most 8192 (EXO_MAX_PROMPT_TOKENS)" in job["error"]
     beside_job = stack.api.wait_job(beside)
     assert beside_job["status"] == "succeeded"
     assert beside_job["usage"]["completion_tokens"] == 300
