@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo_tasks import engine as engine_module
-from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec
+from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
 from exo_tasks.store import events_key, job_key, runner_key
 from exo_tasks.types import HostState, JobRecord, JobRequest, SubmitJob, utcnow
 from tests.conftest import Stack, api_settings, runner_state
@@ -292,10 +292,18 @@ def test_a_full_redis_refuses_writes_with_503_and_evicts_nothing(
                 while True:
                     store.redis.set(f"filler:{fillers}", "x" * size)
                     fillers += 1
-        error = error_of(api.post("/v1/jobs", json={"prompt": "a"}), 503)
+        error = error_of(api.post("/v1/jobs", json={"prompt": "a" * 10_000}), 503)
         assert error["type"] == "storage_full" and "EXO_REDIS_MAXMEMORY_MB" in error["message"]
         assert store.redis.exists(*(f"filler:{i}" for i in range(fillers))) == fillers
         assert api.get("/v1/jobs").status_code == 200  # reads still answer
+        # A runner's writes meet the same refusals (a command's, a script's): it waits them
+        # out, as it waits for an unreachable Redis, instead of failing its jobs.
+        job = JobRecord(id="late", model="tiny", request=JobRequest(prompt="x"))
+        with pytest.raises(redis_lib.ResponseError) as refused_script:
+            store.create_job(job, "exo.model.tiny", 1000)
+        with pytest.raises(redis_lib.ResponseError) as refused_write:
+            store.redis.xadd(events_key("late"), {"data": "x" * 10_000})
+        assert redis_waits(refused_script.value) and redis_waits(refused_write.value)
     finally:
         api.close()
 
