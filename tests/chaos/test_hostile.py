@@ -23,6 +23,7 @@ from exo_tasks import engine as engine_module
 from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
 from exo_tasks.store import events_key, job_key, runner_key
 from exo_tasks.types import HostState, JobRecord, JobRequest, SubmitJob, utcnow
+from tests.chaos.conftest import Case, Report
 from tests.conftest import Stack, api_settings, runner_state
 from tests.stack import Api, Processes, start_redis
 
@@ -448,7 +449,7 @@ def assert_in_shape(response: requests.Response) -> None:
 
 
 @pytest.mark.usefixtures("same_runner")
-def test_generated_bodies_harm_nobody(stack: Stack, tiny_model: Path) -> None:
+def test_generated_bodies_harm_nobody(stack: Stack, tiny_model: Path, reliability: Report) -> None:
     beside = stack.api.submit(prompt="another client", max_tokens=1500, ignore_eos=True)
     # Small caps keep accepted jobs short.
     api = Api(api_settings(stack.redis.url, [tiny_model], max_tokens=16))
@@ -474,7 +475,20 @@ def test_generated_bodies_harm_nobody(stack: Stack, tiny_model: Path) -> None:
     finally:
         api.close()
     assert statuses[202] and statuses[422], statuses  # some run, many are refused
-    for job_id in accepted:
-        assert stack.api.wait_job(job_id, timeout_s=60)["status"] in ("succeeded", "failed")
+    ended = Counter(stack.api.wait_job(job_id, timeout_s=60)["status"] for job_id in accepted)
+    assert set(ended) <= {"succeeded", "failed"}, ended
     job = stack.api.wait_job(beside, timeout_s=120)
     assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 1500
+    reliability.add(
+        Case(
+            "Hypothesis: hostile job bodies (huge, deep, non-finite, wrong types)",
+            len(accepted) + 1,
+            f"{sum(statuses.values())} generated bodies beside a 1,500-token job",
+            0,
+            [
+                f"statuses {dict(sorted(statuses.items()))}",
+                f"accepted jobs ended {dict(sorted(ended.items()))}",
+                "runner pid unchanged; the job beside finished whole",
+            ],
+        )
+    )
