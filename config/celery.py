@@ -10,18 +10,15 @@ from config.settings import Settings
 # an unprioritised message never overtakes a "high" one.
 PRIORITY_LEVELS = {"high": 0, "normal": 5, "low": 9}
 PRIORITY_STEPS = sorted(PRIORITY_LEVELS.values())
-# Redelivery must never start while the first delivery can still be running.
-VISIBILITY_MARGIN_S = 5.0
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     redis_url = settings.effective_redis_url
     transport_options = {
-        # Never below the hard limit, or a long acks_late job is delivered twice (celery#5935).
-        "visibility_timeout": max(
-            settings.broker_visibility_timeout_s,
-            settings.job_hard_time_limit_s + VISIBILITY_MARGIN_S,
-        ),
+        # Above every job's hard limit (Settings and the API check it: exo_tasks/limits.py),
+        # or a long acks_late job is delivered twice (celery#5935). Only the last backstop: the
+        # recovery loop requeues a dead worker's jobs long before it.
+        "visibility_timeout": settings.broker_visibility_timeout_s,
         # How often a worker looks for messages whose consumer died (kombu's default is
         # every ~100 s: 10 s x a throttle of 10).
         "unacked_restore_interval": settings.broker_restore_interval_s,

@@ -7,8 +7,10 @@ import socket
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from exo_tasks import limits
 
 TINY_MODEL_DIRNAME = "models/tiny"
 
@@ -96,6 +98,7 @@ class Settings(BaseSettings):
         listed = [m.strip() for m in self.models.split(",") if m.strip()]
         return listed or [str(self.tiny_model_dir.resolve())]
 
-    @property
-    def job_hard_time_limit_s(self) -> float:
-        return self.job_soft_time_limit_s + self.job_hard_grace_s
+    @model_validator(mode="after")
+    def _limits_below_redelivery(self) -> Settings:
+        limits.check_settings(self)
+        return self

@@ -21,6 +21,9 @@ class ExoCelery(Celery):
     def __init__(self, settings: Settings) -> None:
         super().__init__("exo_tasks", include=["exo_tasks.tasks"])
         self.settings = settings
+        # This worker's incarnation (set by the worker before its pool forks): the owner that
+        # the jobs it runs record. Empty outside a worker.
+        self.incarnation = ""
         self.config_from_object(celery_config(settings))
 
     @cached_property

@@ -16,8 +16,8 @@ from typing import Any
 import redis
 from pydantic import TypeAdapter, ValidationError
 
-from config.celery import PRIORITY_STEPS
-from exo_tasks import metrics
+from exo_tasks import lifecycle, metrics
+from exo_tasks.broker import queue_lists
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
@@ -38,56 +38,59 @@ log = logging.getLogger("exo_tasks.store")
 PREFIX = "exo"
 RECENT_JOBS_KEPT = 10_000
 RUNNER_HISTORY_KEPT = 50
-KOMBU_PRIORITY_SEP = "\x06\x16"
-ACTIVE_STATUSES: tuple[JobStatus, ...] = ("queued", "running")
 
 _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
 _ending_adapter: TypeAdapter[DoneEvent | RequeuedEvent] = TypeAdapter(DoneEvent | RequeuedEvent)
 _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 _supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequest)
 
-# KEYS: job hash, event stream, endings stream. ARGV: new status, record, event name ('' for
-# none), event data, ttl seconds (each key's expiry starts again), then the statuses the job
-# may move from. The only events a transition appends end an attempt (done, error,
-# requeued): they go to the endings stream too, which the task waiting for the attempt reads
-# without waking for every token.
+# KEYS: job hash, event stream, endings stream, active jobs. ARGV: new status, record, event
+# name ('' for none), event data, ttl seconds (each key's expiry starts again), the owner the
+# job must still have ('' for any), the new owner, the job id, then the statuses the job may
+# move from. The only events a transition appends end an attempt (done, error, requeued): they
+# go to the endings stream too, which the task waiting for the attempt reads without waking for
+# every token. An ending (done, error) leaves the active jobs.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return 0 end
 local allowed = false
-for i = 6, #ARGV do
+for i = 9, #ARGV do
   if current == ARGV[i] then allowed = true end
 end
 if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[6] then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2], 'owner', ARGV[7])
 if ARGV[3] ~= '' then
   redis.call('XADD', KEYS[2], '*', 'event', ARGV[3], 'data', ARGV[4])
   redis.call('XADD', KEYS[3], '*', 'event', ARGV[3], 'data', ARGV[4])
 end
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+if ARGV[3] == 'done' or ARGV[3] == 'error' then redis.call('SREM', KEYS[4], ARGV[8]) end
 return 1
 """
 
-# KEYS: job hash, recent jobs, then the queue's lists. ARGV: the most messages allowed in the
-# queue, status, record, created_at, job id, ttl seconds. Creates the job unless the queue is
-# full; returns the messages found in the queue.
+# KEYS: job hash, recent jobs, active jobs, then the queue's lists. ARGV: the most messages
+# allowed in the queue, status, record, created_at, job id, ttl seconds. Creates the job unless
+# the queue is full; returns the messages found in the queue.
 _CREATE_UNLESS_FULL = f"""
 local depth = 0
-for i = 3, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 if depth >= tonumber(ARGV[1]) then return depth end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'record', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -{RECENT_JOBS_KEPT + 1})
 return depth
 """
 
 # KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
-# id, the submit command. A queued job is marked running, counted as the runner's and put in
-# its inbox at once; a job no longer queued (cancelled meanwhile) is left alone.
+# id, the submit command, the worker incarnation that now owns it. A queued job is marked
+# running, counted as the runner's and put in its inbox at once; a job no longer queued
+# (cancelled meanwhile) is left alone.
 _HAND_OVER = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'record', ARGV[1])
+redis.call('HSET', KEYS[1], 'status', 'running', 'record', ARGV[1], 'owner', ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('RPUSH', KEYS[3], ARGV[3])
 return 1
@@ -106,6 +109,15 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if raw then table.insert(runners, raw) end
 end
 return {hosts, runners}
+"""
+
+
+# KEYS: the lease. ARGV: holder, milliseconds. Taken if free, renewed if ours.
+_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 
 
@@ -155,11 +167,6 @@ def connect(url: str) -> redis.Redis:
     )
 
 
-def _queue_lists(queue: str) -> list[str]:
-    """A Celery queue's Redis lists, one per priority step (kombu's layout)."""
-    return [f"{queue}{KOMBU_PRIORITY_SEP}{step}" if step else queue for step in PRIORITY_STEPS]
-
-
 def job_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
@@ -172,8 +179,12 @@ def endings_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:endings"
 
 
+ACTIVE_JOBS = f"{PREFIX}:jobs:active"
+RECOVERY_LEASE = f"{PREFIX}:recovery:lease"
+
+
 def _transition_keys(job_id: str) -> list[str]:
-    return [job_key(job_id), events_key(job_id), endings_key(job_id)]
+    return [job_key(job_id), events_key(job_id), endings_key(job_id), ACTIVE_JOBS]
 
 
 def runner_key(runner_id: str) -> str:
@@ -195,6 +206,7 @@ class Store:
         self._create_unless_full = client.register_script(_CREATE_UNLESS_FULL)
         self._fleet = client.register_script(_FLEET)
         self._hand_over = client.register_script(_HAND_OVER)
+        self._lease = client.register_script(_LEASE)
 
     @classmethod
     def from_url(cls, url: str, *, job_ttl_s: int = 24 * 3600) -> Store:
@@ -212,7 +224,7 @@ class Store:
     def queue_depth(self, queue: str) -> int:
         """Messages waiting in a Celery queue, across its priority lists (kombu's layout)."""
         pipe = self.redis.pipeline(transaction=False)
-        for key in _queue_lists(queue):
+        for key in queue_lists(queue):
             pipe.llen(key)
         return sum(pipe.execute())
 
@@ -221,7 +233,7 @@ class Store:
     def create_job(self, job: JobRecord, queue: str, max_queued: int) -> int:
         """Record a new job unless `queue` holds `max_queued` messages already, in one round
         trip. Returns the messages found in the queue: the job was created if fewer."""
-        keys = [job_key(job.id), f"{PREFIX}:jobs", *_queue_lists(queue)]
+        keys = [job_key(job.id), f"{PREFIX}:jobs", ACTIVE_JOBS, *queue_lists(queue)]
         args = [
             max_queued,
             job.status,
@@ -284,35 +296,26 @@ class Store:
         records: list[str | None] = pipe.execute()
         return records
 
-    def transition(
-        self, job: JobRecord, *, allowed_from: Iterable[str], event: JobEvent | None = None
-    ) -> bool:
-        """Write `job` if its stored status is one of `allowed_from`, appending `event` to its
-        stream in the same step. A terminal status appends the stream's last event. The
-        record and its streams expire EXO_JOB_TTL_S after the last transition. True if
+    def apply(self, move: lifecycle.Move) -> bool:
+        """Execute one move of the job state machine (compare-and-set on the stored status, and
+        on the owner when the move names one). A terminal record appends the stream's last
+        event. The record and its streams expire EXO_JOB_TTL_S after the last move. True if
         written."""
-        args = self._transition_args(job, allowed_from, event)
-        written = bool(self._transition(keys=_transition_keys(job.id), args=args))
-        if written and job.is_terminal:  # counted once: only the first ending is written
-            self.write_metrics(metrics.job_ended(job))
+        args = self._transition_args(move)
+        written = bool(self._transition(keys=_transition_keys(move.record.id), args=args))
+        if written and move.record.is_terminal:  # counted once: only the first ending is written
+            self.write_metrics(metrics.job_ended(move.record))
         return written
 
-    def _transition_args(
-        self, job: JobRecord, allowed_from: Iterable[str], event: JobEvent | None
-    ) -> list[str | int]:
+    def _transition_args(self, move: lifecycle.Move) -> list[str | int]:
+        job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
             event = DoneEvent(event="error" if job.status == "failed" else "done", job=job)
         if event is not None:
             event_name, event_data = event.event, event.model_dump_json()
-        args: list[str | int] = [
-            job.status,
-            job.model_dump_json(),
-            event_name,
-            event_data,
-            self.job_ttl_s,
-        ]
-        args.extend(allowed_from)
+        args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data]
+        args += [self.job_ttl_s, move.owner or "", job.owner or "", job.id, *move.allowed_from]
         return args
 
     def write_step(
@@ -336,8 +339,8 @@ class Store:
         for job in endings:
             # EVAL, not the registered script's EVALSHA: a pipeline would first ask whether the
             # script is loaded, one more round trip each time.
-            args = self._transition_args(job, ACTIVE_STATUSES, None)
-            pipe.eval(_TRANSITION, 3, *_transition_keys(job.id), *args)
+            args = self._transition_args(lifecycle.Move(job, lifecycle.ACTIVE))
+            pipe.eval(_TRANSITION, 4, *_transition_keys(job.id), *args)
             pipe.srem(f"{runner_key(runner_id)}:jobs", job.id)
         replies = pipe.execute()
         observations.clear()
@@ -348,11 +351,6 @@ class Store:
             for counts in ended:
                 counts.write(pipe)
             pipe.execute()
-
-    def finish_job(self, job: JobRecord) -> bool:
-        """Move an active job to its terminal status (first writer wins)."""
-        assert job.is_terminal, job.status
-        return self.transition(job, allowed_from=ACTIVE_STATUSES)
 
     def end_job(
         self,
@@ -368,37 +366,44 @@ class Store:
         if job is None or job.is_terminal:
             return False
         text, tokens = self.streamed_text(job_id)
-        return self.finish_job(
-            job.finished(
-                status,
-                text=text,
-                finish_reason=finish_reason,
-                completion_tokens=tokens,
-                error=error,
-            )
+        move = lifecycle.end(
+            job,
+            status,
+            text=text,
+            finish_reason=finish_reason,
+            completion_tokens=tokens,
+            error=error,
         )
+        return self.apply(move)
 
     def fail_job(self, job_id: str, error: str) -> bool:
         return self.end_job(job_id, "failed", error=error)
 
-    def requeue_job(self, job_id: str) -> JobRecord | None:
-        """Put an unfinished job back to `queued` for another attempt (its worker stopped).
-        Returns the record as requeued, or None if the job had already ended."""
+    def requeue_job(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
+        """Put an unfinished job back to `queued` for another attempt (its worker stopped or
+        died); `only_from`: only while that worker incarnation still owns it. A job whose
+        cancel was accepted ends `cancelled` instead: a cancel is final. Returns the record as
+        requeued, or None if the job had ended or moved on."""
         job = self.get_job(job_id)
-        if job is None or job.is_terminal:
+        if job is None or job.is_terminal or (only_from is not None and job.owner != only_from):
             return None
-        attempt = job.attempts + 1
-        fresh = JobRecord(
-            id=job.id,
-            model=job.model,
-            request=job.request,
-            created_at=job.created_at,
-            attempts=attempt,
-        )
-        requeued = self.transition(
-            fresh, allowed_from=ACTIVE_STATUSES, event=RequeuedEvent(attempt=attempt)
-        )
-        return fresh if requeued else None
+        if self.redis.hexists(job_key(job_id), "cancel"):
+            text, tokens = self.streamed_text(job_id)
+            self.apply(lifecycle.cancel_orphaned(job, text, tokens))
+            return None
+        move = lifecycle.requeue(job, only_from_owner=only_from is not None)
+        return move.record if self.apply(move) else None
+
+    def request_cancel(self, job_id: str) -> None:
+        """Remember that a running job's cancel was accepted, so that no later attempt runs it
+        if its worker dies before the runner ends it."""
+        self.redis.hset(job_key(job_id), "cancel", 1)
+
+    def active_jobs(self) -> list[JobRecord]:
+        """Every job queued or running, wherever it is."""
+        ids = sorted(self.redis.smembers(ACTIVE_JOBS))
+        records = [JobRecord.model_validate_json(raw) for raw in self._pipeline_get(ids) if raw]
+        return [job for job in records if not job.is_terminal]
 
     # --- a job's event stream ---
 
@@ -487,12 +492,12 @@ class Store:
     # --- a runner's inbox and the jobs handed to it ---
 
     def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
-        """Mark a queued job running (`command.job` is its record so) and put it in the
-        runner's inbox, in one step: the runner starts it without a write of its own. False if
-        the job is no longer queued."""
+        """Mark a queued job running (`command.job` is its record so, naming its owner) and put
+        it in the runner's inbox, in one step: the runner starts it without a write of its own.
+        False if the job is no longer queued."""
         job = command.job
         keys = [job_key(job.id), f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox"]
-        args = [job.model_dump_json(), job.id, command.model_dump_json()]
+        args = [job.model_dump_json(), job.id, command.model_dump_json(), job.owner or ""]
         return bool(self._hand_over(keys=keys, args=args))
 
     def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
@@ -519,6 +524,9 @@ class Store:
         pipe.delete(f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox")
         job_ids, _ = pipe.execute()
         return sorted(job_ids)
+
+    def runner_jobs(self, runner_id: str) -> list[str]:
+        return sorted(self.redis.smembers(f"{runner_key(runner_id)}:jobs"))
 
     def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
         return [j for j in self.take_runner_jobs(runner_id) if self.fail_job(j, error)]
@@ -547,6 +555,23 @@ class Store:
         pipe.delete(host_key(host))
         pipe.srem(f"{PREFIX}:hosts", host)
         pipe.execute()
+
+    def get_host(self, host: str) -> HostState | None:
+        raw = self.redis.get(host_key(host))
+        return HostState.model_validate_json(raw) if raw else None
+
+    def owner_is_live(self, job: JobRecord) -> bool:
+        """Whether the worker incarnation holding a running job still beats; a job recorded
+        before owners existed counts as held."""
+        if job.owner is None or job.host is None:
+            return True
+        host = self.get_host(job.host)
+        return host is not None and host.incarnation == job.owner
+
+    def hold_lease(self, holder: str, ttl_s: float) -> bool:
+        """Take or keep the recovery loop's lease (one holder at a time; it lapses after
+        `ttl_s` unless renewed)."""
+        return bool(self._lease(keys=[RECOVERY_LEASE], args=[holder, int(ttl_s * 1000)]))
 
     def fleet(self) -> tuple[list[HostState], list[RunnerState]]:
         """The hosts whose heartbeat has not expired (expired ones are forgotten) and every

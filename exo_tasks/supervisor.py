@@ -9,7 +9,6 @@ leaked".
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -22,13 +21,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
-import redis
-
 from config.settings import Settings, model_slug
 from exo_tasks import metrics, runner
 from exo_tasks.store import Store
 from exo_tasks.types import (
-    HostState,
     RunnerState,
     RunnerStatus,
     StartRunnerRequest,
@@ -47,9 +43,6 @@ CONTROL_POLL_S = 1.0
 REAP_WAIT_S = 1.0
 # A runner that stayed up this long had recovered: its next crash starts a new count.
 HEALTHY_UPTIME_S = 60.0
-# The host's heartbeat: the API routes jobs only to hosts whose heartbeat has not expired.
-HEARTBEAT_INTERVAL_S = 2.0
-HEARTBEAT_TTL_S = 10.0
 _spawn = multiprocessing.get_context("spawn")
 
 
@@ -81,22 +74,28 @@ class RunnerHandle:
 
 # Called with (model, serving?) when a runner stops or starts serving on purpose.
 ServingCallback = Callable[[str, bool], None]
+# Called once every runner has stopped for good: the host leaves the fleet.
+StoppedCallback = Callable[[], None]
 
 
 class RunnerSupervisor:
     """One runner process per model this host serves."""
 
     def __init__(
-        self, settings: Settings, store: Store, on_serving: ServingCallback | None = None
+        self,
+        settings: Settings,
+        store: Store,
+        on_serving: ServingCallback | None = None,
+        on_stopped: StoppedCallback | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.host = settings.hostname
         self.on_serving = on_serving or (lambda queue, serving: None)
+        self.on_stopped = on_stopped or (lambda: None)
         self.handles: dict[str, RunnerHandle] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
-        self._heartbeat_lock = threading.Lock()
         self._drain_deadline: float | None = None
         for model_path in settings.served_models:
             slug = model_slug(model_path)
@@ -118,20 +117,14 @@ class RunnerSupervisor:
     # --- starting and watching ---
 
     def start(self) -> None:
-        host = HostState(
-            name=self.host,
-            pid=os.getpid(),
-            models=[h.spec.model for h in self.handles.values()],
-            started_at=utcnow(),
-        )
-        self._beat(host)
         for handle in self.handles.values():
             self._spawn(handle)
-        threading.Thread(
-            target=self._heartbeat, args=(host,), name="heartbeat", daemon=True
-        ).start()
         threading.Thread(target=self._watch, name="runner-watch", daemon=True).start()
         threading.Thread(target=self._serve_requests, name="supervisor-inbox", daemon=True).start()
+
+    @property
+    def models(self) -> list[str]:
+        return [h.spec.model for h in self.handles.values()]
 
     def _spawn(self, handle: RunnerHandle) -> None:
         spec = handle.spec.model_copy(update={"restarts": handle.restarts})
@@ -154,20 +147,6 @@ class RunnerSupervisor:
         handle.process, handle.started_monotonic = process, time.monotonic()
         handle.stop = handle.stall = handle.restart_at = None
         log.info("runner started", extra={"runner": spec.runner_id, "pid": process.pid})
-
-    def _heartbeat(self, host: HostState) -> None:
-        while not self._closing.wait(HEARTBEAT_INTERVAL_S):
-            try:
-                self._beat(host)
-            except redis.RedisError as exc:
-                log.warning("heartbeat not sent", extra={"error": str(exc)})
-
-    def _beat(self, host: HostState) -> None:
-        with self._heartbeat_lock:  # never after the stop removed the host
-            if not self._closing.is_set():
-                self.store.publish_host(
-                    host.model_copy(update={"updated_at": utcnow()}), HEARTBEAT_TTL_S
-                )
 
     def _watch(self) -> None:
         while not self._closing.is_set():
@@ -199,14 +178,12 @@ class RunnerSupervisor:
                 self.settings.prefill_timeout_s, self.settings.decode_timeout_s
             )
             if stall is not None and handle.process is not None:
+                # A hung runner can finish nothing, warm or not: its jobs fail now, and it gets
+                # no grace before SIGTERM (then SIGKILL).
                 log.error("runner is hung; stopping it", extra={"runner": runner_id, "why": stall})
                 handle.stall = stall
-                self._in_thread(
-                    self.stop_runner,
-                    runner_id,
-                    StopRunner(mode="hard"),
-                    self.settings.runner_shutdown_grace_s,
-                )
+                self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {stall}")
+                self._in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
 
     def _on_exit(self, handle: RunnerHandle) -> None:
         with self._lock:
@@ -416,8 +393,7 @@ class RunnerSupervisor:
             thread.join()
         if warm or not any(h.process for h in self.handles.values()):
             self._closing.set()
-            with self._heartbeat_lock, contextlib.suppress(redis.RedisError):
-                self.store.remove_host(self.host)  # else it expires with its heartbeat
+            self.on_stopped()
 
     @staticmethod
     def _in_thread(target: Callable[..., object], *args: object) -> threading.Thread:

@@ -15,6 +15,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
 from kombu.exceptions import KombuError
 
+from exo_tasks import limits
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
     LOAD_RUNNER_TASK,
@@ -44,6 +45,7 @@ WAIT_SLICE_MS = 1000
 # After a soft time limit the runner ends the job at its next step; this bounds our wait.
 CANCEL_ACK_S = 3.0
 REDIS_RETRY_S = 0.5
+PINNED_REQUEUE_PAUSE_S = 1.0
 PROGRESS = "PROGRESS"
 # A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
 # CPU (a pool child per job); Flower needs no more than this.
@@ -107,12 +109,14 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
             return _summary(job_id, None)
         if job.is_terminal:  # cancelled while queued, or finished by an earlier delivery
             return _summary(job_id, job)
-        if job.status == "running":  # an earlier attempt died with its worker: start over
-            job = store.requeue_job(job_id) or job
+        if job.status == "running":  # delivered again: a duplicate, or its worker died
+            if store.owner_is_live(job):
+                log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
+                return _summary(job_id, job)
+            job = store.requeue_job(job_id, only_from=job.owner) or job
         state = _await_runner(
             store, runner_id, state, settings.runner_start_timeout_s, pinned=job.request.host
         )
-        hard_limit, soft_limit = self.request.timelimit or (None, None)
         # A first attempt has no ending and no events yet: no round trip to find where it starts.
         first = job.status == "queued" and job.attempts == 0
         after, events_before = ("0-0", 0) if first else store.attempt_start(job_id)
@@ -122,17 +126,18 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
                 "started_at": utcnow(),
                 "host": settings.hostname,
                 "runner_id": runner_id,
+                "owner": app.incarnation,
             }
         )
-        now = time.time()
-        if not store.hand_over(
-            runner_id,
-            SubmitJob(
-                job=started,
-                soft_deadline=now + (soft_limit or settings.job_soft_time_limit_s),
-                deadline=now + (hard_limit or settings.job_hard_time_limit_s),
-            ),
-        ):
+        # The limits the message carries (Celery enforces those), else the job's own.
+        own = limits.job_limits(job.request.timeout_s, settings)
+        hard_limit, soft_limit = self.request.timelimit or (None, None)
+        job_limits = limits.JobLimits(
+            soft_s=soft_limit or own.soft_s, hard_s=hard_limit or own.hard_s
+        )
+        soft_deadline, deadline = job_limits.deadlines(time.time())
+        command = SubmitJob(job=started, soft_deadline=soft_deadline, deadline=deadline)
+        if not store.hand_over(runner_id, command):
             return _summary(job_id, store.get_job(job_id))  # cancelled meanwhile
         runner = state
         log.info("job handed to runner", extra=extra)
@@ -159,12 +164,16 @@ def _await_runner(
 ) -> RunnerState:
     """The runner once it takes jobs (`state`: as just read); a runner still loading is waited
     for, in slices. A job for a runner stopped on purpose goes back to the queue (another host,
-    or a later load, will run it), unless it is `pinned` to this host."""
+    or a later load, will run it); one `pinned` to this host stays queued until the runner is
+    loaded again or the job is cancelled."""
     deadline = time.monotonic() + timeout_s
     while True:
         if state is not None and state.status.accepts_jobs:
             return state
-        if state is not None and state.status == RunnerStatus.SHUTDOWN and pinned is None:
+        if state is not None and state.status == RunnerStatus.SHUTDOWN:
+            if pinned is not None:
+                # Only this host takes it: wait for the runner's load, without spinning.
+                time.sleep(PINNED_REQUEUE_PAUSE_S)
             raise Reject(f"runner {runner_id} is shut down; requeued", requeue=True)
         if state is not None and state.status.is_final and state.next_restart_at is None:
             raise RunnerGone(f"runner {runner_id} is {state.status}: {state.error or 'stopped'}")

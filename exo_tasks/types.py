@@ -6,6 +6,7 @@ Pure: imports neither redis nor mlx, so every process (and every unit test) can 
 from __future__ import annotations
 
 import enum
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal, Self
 
@@ -18,6 +19,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from exo_tasks import limits
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "timed_out"]
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
@@ -123,7 +126,17 @@ class JobRequest(SamplingParams):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     host: str | None = Field(None, min_length=1)
     priority: Priority = "normal"
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(
+        None, description="The job's soft time limit in seconds; capped below redelivery."
+    )
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout_within_cap(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # The cap follows from configuration (exo_tasks/limits.py), passed as context.
+        if value is None:
+            return value
+        return limits.check_timeout(value, (info.context or {}).get("max_timeout_s", math.inf))
 
     @field_validator("prompt", "messages")
     @classmethod
@@ -191,6 +204,9 @@ class JobRecord(BaseModel):
     timings: Timings = Field(default_factory=Timings)
     error: str | None = None
     attempts: int = 0
+    owner: str | None = Field(
+        None, description="The worker incarnation that holds the current attempt while running."
+    )
 
     @property
     def is_terminal(self) -> bool:
@@ -422,6 +438,13 @@ class HostState(BaseModel):
 
     name: str
     pid: int
+    incarnation: str = Field(
+        "", description="This run of the worker: jobs it holds name it as their owner."
+    )
+    held: list[str] = Field(
+        default_factory=list,
+        description="Delivery tags of the broker messages this worker holds unacknowledged.",
+    )
     models: list[str] = Field(description="Slugs of the models this host serves.")
     started_at: datetime
     updated_at: datetime = Field(default_factory=utcnow)

@@ -13,26 +13,32 @@ from typing import Any
 
 from celery import bootsteps
 from celery.signals import worker_process_init, worker_shutting_down
-from celery.worker import components
+from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings, model_slug
+from exo_tasks import jobs, recovery
+from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.logs import configure_logging
 from exo_tasks.supervisor import RunnerSupervisor
-from exo_tasks.types import host_queue, model_queue
+from exo_tasks.types import HostState, host_queue, model_queue, utcnow
 
 log = logging.getLogger("exo_tasks.worker")
 
 
 class RunnerSupervisorStep(bootsteps.StartStopStep):
-    """Starts the runners before the pool forks and stops them after the pool has drained."""
+    """Announces this worker incarnation and starts the runners and the recovery loop before
+    the pool forks; stops the runners after the pool has drained."""
 
     label = "runner supervisor"
 
     def create(self, worker: Any) -> RunnerSupervisor:  # type: ignore[override]
         app: ExoCelery = worker.app
         node = worker.hostname
+        settings, store = app.settings, app.store
+        # Set before the pool forks: every pool child names it as the owner of the jobs it runs.
+        app.incarnation = recovery.new_incarnation(settings.hostname)
 
         def set_serving(model: str, serving: bool) -> None:
             # Through remote control, so the consumer changes inside the worker's event loop.
@@ -44,16 +50,53 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
                 extra={"queue": model_queue(model)},
             )
 
-        supervisor = RunnerSupervisor(app.settings, app.store, on_serving=set_serving)
+        supervisor = RunnerSupervisor(settings, store, on_serving=set_serving)
+        host = HostState(
+            name=settings.hostname,
+            pid=os.getpid(),
+            incarnation=app.incarnation,
+            models=supervisor.models,
+            started_at=utcnow(),
+        )
+        self.presence = recovery.Presence(store, host, held=_held_delivery_tags)
+        self.recovery = recovery.Recovery(
+            store,
+            Broker(store.redis, app.connection_for_write),
+            lambda job: jobs.send(app, settings, job),
+            host=settings.hostname,
+            incarnation=app.incarnation,
+        )
+
+        def on_stopped() -> None:
+            self.recovery.stop()
+            self.presence.stop()
+
+        supervisor.on_stopped = on_stopped
 
         def on_shutting_down(how: str = "Warm", **_: Any) -> None:
             # Warm: in-flight jobs get the window. Cold (also a second Ctrl-C during a warm
             # shutdown): the runners requeue their jobs now.
-            supervisor.drain(app.settings.worker_soft_shutdown_s if how == "Warm" else 0.0)
+            supervisor.drain(settings.worker_soft_shutdown_s if how == "Warm" else 0.0)
 
         # Runs inside Celery's signal handler: drain() only records a deadline.
         worker_shutting_down.connect(on_shutting_down, weak=False)
         return supervisor
+
+    def start(self, worker: Any) -> None:
+        previous = self.presence.start()
+        self.recovery.start(previous)
+        super().start(worker)
+
+
+def _held_delivery_tags() -> list[str]:
+    """The broker messages this worker holds unacknowledged (reserved or running tasks), read
+    from another thread while Celery's loop may change them."""
+    for _ in range(3):
+        try:
+            return [request.message.delivery_tag for request in list(state.requests.values())]
+        except RuntimeError:  # changed while we copied it
+            continue
+    return []
 
 
 # Bootstep order among siblings is not guaranteed; making the pool require the supervisor puts

@@ -17,22 +17,21 @@ def settings(**values: object) -> Settings:
 
 
 def test_celery_is_set_up_for_long_jobs() -> None:
-    conf = celery_config(
-        settings(job_soft_time_limit_s=7000, job_hard_grace_s=100, broker_visibility_timeout_s=3600)
-    )
+    conf = celery_config(settings())
     assert conf["task_acks_late"] is True
     assert conf["worker_prefetch_multiplier"] == 1
     assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
     assert conf["broker_connection_retry_on_startup"] is True
     assert conf["worker_send_task_events"] and conf["task_send_sent_event"]
-    # Never below the hard limit, or a long job is delivered twice.
-    assert conf["broker_transport_options"]["visibility_timeout"] > 7100
-    assert (
-        celery_config(
-            settings(broker_visibility_timeout_s=1, job_soft_time_limit_s=3, job_hard_grace_s=1)
-        )["broker_transport_options"]["visibility_timeout"]
-        > 4
-    )
+    assert conf["broker_transport_options"]["visibility_timeout"] == 3600
+
+
+def test_a_default_limit_that_could_outlive_redelivery_is_refused() -> None:
+    # Soft 7000 + grace 100 + 5 s margin would run past the 3600 s visibility timeout: the
+    # message of a job still running would be delivered again.
+    with pytest.raises(ValueError, match="EXO_JOB_SOFT_TIME_LIMIT_S=7000 is above 3495 s"):
+        settings(job_soft_time_limit_s=7000, job_hard_grace_s=100)
+    assert settings(job_soft_time_limit_s=3465, job_hard_grace_s=130).job_soft_time_limit_s == 3465
 
 
 def test_redis_url_defaults_to_the_embedded_port() -> None:

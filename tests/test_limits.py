@@ -44,3 +44,29 @@ def test_max_tokens_over_the_cap_is_422_naming_the_limit(capped: Api) -> None:
     response = capped.post("/v1/jobs", json={"prompt": "p", "max_tokens": 4097})
     assert response.status_code == 422
     assert "at most 4096 (EXO_MAX_TOKENS)" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("timeout_s", ["3566", "1e999", "Infinity", "NaN"])
+def test_a_timeout_that_could_outlive_the_broker_is_422_naming_the_cap(
+    capped: Api, timeout_s: str
+) -> None:
+    # Defaults: visibility 3600 s - hard grace 30 s - 5 s margin = 3565 s. A job that may run
+    # longer would have its message delivered again while it still runs; an infinite one could
+    # never end (its deadline was stored as null and the runner dropped it).
+    body = '{"prompt": "p", "max_tokens": 1, "timeout_s": ' + timeout_s + "}"
+    response = capped.post("/v1/jobs", data=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert [d["field"] for d in error["details"]] == ["timeout_s"]
+    assert "timeout_s" in error["message"]
+    chat = capped.post(
+        "/v1/chat/completions",
+        data='{"messages": [{"role": "user", "content": "p"}], "timeout_s": ' + timeout_s + "}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "timeout_s"
+
+
+def test_the_longest_allowed_timeout_is_accepted(capped: Api) -> None:
+    job_id = capped.submit(prompt="p", max_tokens=1, timeout_s=3565)
+    assert capped.wait_job(job_id)["status"] == "succeeded"

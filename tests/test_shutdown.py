@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from config.settings import Settings
 from exo_tasks.types import JobRecord, JobRequest, SubmitJob, runner_id_for, utcnow
 from tests.conftest import (
     LONG,
@@ -172,28 +173,25 @@ def test_a_runner_that_keeps_dying_is_left_failed(
     assert "tiny@sd-flaky: Failed" in refused.json()["error"]["message"]
 
 
-def test_a_hung_runner_is_stopped_and_reported_stalled(
+def test_a_hung_runner_fails_its_jobs_within_the_stall_limit_and_is_stopped_hard(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
-    new_worker(
-        stack,
-        processes,
-        tiny_model,
-        tmp_path,
-        "sd-hung",
-        decode_timeout_s=1,
-        runner_shutdown_grace_s=0.5,
-    )
+    new_worker(stack, processes, tiny_model, tmp_path, "sd-hung")  # the default limits
     job_id = stack.api.submit(**LONG, host="sd-hung")
     wait_tokens(stack, job_id)
     pid = runner_state(stack.store, "sd-hung").pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
-    state = wait_runner(stack.store, "sd-hung", "Failed", 12)
+    hung = time.monotonic()
+    limit_s = Settings(_env_file=None).decode_timeout_s
+    job = stack.api.wait_job(job_id, timeout_s=limit_s + 3)
+    assert time.monotonic() - hung < limit_s + 2
+    assert job["status"] == "failed" and "stalled in decode" in job["error"]
+    # No warm grace for a runner that can finish nothing: SIGTERM at once, SIGKILL 5 s later.
+    state = wait_runner(stack.store, "sd-hung", "Failed", 8)
     assert state.error is not None and state.error.startswith("stalled in decode")
     assert "Terminated (signal 9 SIGKILL)" in state.error
-    job = stack.api.wait_job(job_id, timeout_s=2)
-    assert job["status"] == "failed" and "stalled in decode" in job["error"]
+    assert time.monotonic() - hung < limit_s + 8
     assert wait_runner(stack.store, "sd-hung", "Ready", 30).pid != pid
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from exo_tasks import lifecycle
 from exo_tasks.metrics import Observations
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, SubmitJob, TokenEvent, utcnow
@@ -16,9 +17,15 @@ def new_job(model: str = "m") -> JobRecord:
     return JobRecord(id=uuid.uuid4().hex, model=model, request=request)
 
 
-def running(job: JobRecord, runner_id: str) -> SubmitJob:
+def running(job: JobRecord, runner_id: str, owner: str = "w:1:1") -> SubmitJob:
     started = job.model_copy(
-        update={"status": "running", "started_at": utcnow(), "runner_id": runner_id}
+        update={
+            "status": "running",
+            "started_at": utcnow(),
+            "runner_id": runner_id,
+            "host": "w",
+            "owner": owner,
+        }
     )
     return SubmitJob(job=started, soft_deadline=time.time() + 30, deadline=time.time() + 60)
 
@@ -52,8 +59,9 @@ def test_hand_over_leaves_a_cancelled_job_alone(store: Store) -> None:
     runner_id = f"m@{uuid.uuid4().hex[:6]}"
     job = new_job()
     store.create_job(job, "exo.model.m", max_queued=1_000)
-    cancelled = job.finished("cancelled", text="", finish_reason="cancelled", completion_tokens=0)
-    assert store.finish_job(cancelled)
+    move = lifecycle.cancel_queued(job)
+    assert store.apply(move)
+    cancelled = move.record
 
     assert not store.hand_over(runner_id, running(job, runner_id))
     assert store.get_job(job.id) == cancelled
@@ -82,3 +90,42 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     assert ending.event == "done" and ending.job.output.text == "b"
     _, events = store.runner_and_events(runner_id, job.id)
     assert events - events_before == 2  # this attempt's token and its done
+
+
+def test_a_requeue_for_a_dead_owner_never_takes_the_job_from_a_newer_attempt(
+    store: Store,
+) -> None:
+    job = new_job()
+    store.create_job(job, "exo.model.m", max_queued=1_000)
+    assert job.id in {j.id for j in store.active_jobs()}
+    store.hand_over("m@w", running(job, "m@w", owner="w:1:1"))
+    first = store.requeue_job(job.id, only_from="w:1:1")
+    assert first is not None and first.status == "queued" and first.owner is None
+    store.hand_over("m@w", running(first, "m@w", owner="w:2:2"))  # a new attempt took it
+
+    assert store.requeue_job(job.id, only_from="w:1:1") is None  # the old owner's: too late
+    stored = store.get_job(job.id)
+    assert stored is not None and stored.status == "running" and stored.owner == "w:2:2"
+
+
+def test_a_cancelled_job_ends_cancelled_instead_of_going_back_to_the_queue(store: Store) -> None:
+    job = new_job()
+    store.create_job(job, "exo.model.m", max_queued=1_000)
+    store.hand_over("m@w", running(job, "m@w"))
+    store.write_step("m@w", [(job.id, TokenEvent(index=0, text="a"))], Observations(), [])
+    store.request_cancel(job.id)
+
+    assert store.requeue_job(job.id) is None
+    stored = store.get_job(job.id)
+    assert stored is not None and stored.status == "cancelled"
+    assert stored.output.text == "a" and stored.output.finish_reason == "cancelled"
+    assert job.id not in {j.id for j in store.active_jobs()}
+
+
+def test_the_recovery_lease_has_one_holder_until_it_lapses(store: Store) -> None:
+    store.redis.delete("exo:recovery:lease")
+    assert store.hold_lease("a", 0.3)
+    assert store.hold_lease("a", 0.3)  # renewed
+    assert not store.hold_lease("b", 0.3)
+    time.sleep(0.4)
+    assert store.hold_lease("b", 0.3)

@@ -30,6 +30,10 @@ class Fleet:
         """Every model some live host serves, in host order."""
         return list(dict.fromkeys(m for host in self.hosts.values() for m in host.models))
 
+    def live_runners(self) -> list[RunnerState]:
+        """The runners of hosts whose heartbeat is live: a dead host's runners run nothing."""
+        return [r for r in self.runners.values() if r.host in self.hosts]
+
     def host_runners(self, host: str) -> list[RunnerState]:
         return [r for r in self.runners.values() if r.host == host]
 

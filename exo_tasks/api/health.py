@@ -6,6 +6,7 @@ import redis
 from flask import Blueprint, Response, jsonify
 
 from exo_tasks.api.context import ctx
+from exo_tasks.api.fleet import Fleet
 from exo_tasks.types import HealthReply, ReadinessReply
 
 bp = Blueprint("health", __name__)
@@ -18,9 +19,9 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> tuple[Response, int]:
-    """200 only when Redis answers and at least one runner is Ready."""
+    """200 only when Redis answers and at least one runner of a live host takes jobs."""
     try:
-        ready = [r.id for r in ctx().store.list_runners() if r.status.accepts_jobs]
+        ready = [r.id for r in Fleet.load(ctx().store).live_runners() if r.status.accepts_jobs]
     except (redis.ConnectionError, redis.TimeoutError):
         down = ReadinessReply(status="unavailable", redis=False, ready_runners=[])
         return jsonify(down.model_dump()), 503

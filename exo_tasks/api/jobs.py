@@ -12,16 +12,14 @@ from urllib.parse import urlencode
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from config.celery import PRIORITY_LEVELS
 from config.settings import model_slug
+from exo_tasks import jobs, limits
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.fleet import Fleet
-from exo_tasks.celery_app import INFERENCE_TASK
-from exo_tasks.errors import BadRequest, Conflict, InvalidRequest, NotFound, QueueFull
+from exo_tasks.errors import BadRequest, InvalidRequest, NotFound, QueueFull
 from exo_tasks.store import Store
 from exo_tasks.types import (
     TERMINAL_JOB_STATUSES,
-    CancelJob,
     DoneEvent,
     JobEvent,
     JobRecord,
@@ -103,17 +101,7 @@ def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
             f"(EXO_MAX_QUEUED_JOBS={settings.max_queued_jobs})",
             retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
         )
-    soft = job_request.timeout_s or settings.job_soft_time_limit_s
-    context.celery.send_task(
-        INFERENCE_TASK,
-        args=[job.id, model],
-        task_id=job.id,
-        queue=queue,
-        # Celery takes float seconds here; its stubs say int.
-        soft_time_limit=soft,  # type: ignore[arg-type]
-        time_limit=soft + settings.job_hard_grace_s,  # type: ignore[arg-type]
-        priority=PRIORITY_LEVELS[job_request.priority],
-    )
+    jobs.send(context.celery, settings, job)
     return job
 
 
@@ -124,6 +112,7 @@ def parse_job_request(context: ApiContext, body: dict[str, Any]) -> JobRequest:
         "max_prompt_chars": settings.max_prompt_chars,
         "max_prompt_tokens": settings.max_prompt_tokens,
         "max_stop_chars": settings.max_stop_chars,
+        "max_timeout_s": limits.max_timeout_s(settings),
     }
     return JobRequest.model_validate(body, context=caps)
 
@@ -144,12 +133,12 @@ def list_jobs() -> Response:
         raise InvalidRequest(f"unknown status '{status}'", {"field": "status"})
     limit = _limit()
     before = request.args.get("before")
-    jobs = ctx().store.list_jobs(status=status, limit=limit, before=before)
-    if jobs is None:
+    listed = ctx().store.list_jobs(status=status, limit=limit, before=before)
+    if listed is None:
         raise NotFound(f"no job '{before}' among the recent ones", {"field": "before"})
-    response = jsonify([summary(job) for job in jobs])
-    if len(jobs) == limit:
-        query = {"limit": limit, "before": jobs[-1].id} | ({"status": status} if status else {})
+    response = jsonify([summary(job) for job in listed])
+    if len(listed) == limit:
+        query = {"limit": limit, "before": listed[-1].id} | ({"status": status} if status else {})
         response.headers["Link"] = f'<{request.path}?{urlencode(query)}>; rel="next"'
     return response
 
@@ -165,14 +154,7 @@ def _limit() -> int:
 
 
 def get_or_404(job_id: str) -> JobRecord:
-    return _stored_job(ctx().store, job_id)
-
-
-def _stored_job(store: Store, job_id: str) -> JobRecord:
-    job = store.get_job(job_id)
-    if job is None:
-        raise NotFound(f"no job '{job_id}'", {"job_id": job_id})
-    return job
+    return jobs.get_or_404(ctx().store, job_id)
 
 
 @bp.get("/<job_id>")
@@ -246,27 +228,8 @@ def sse_response(chunks: Iterator[str]) -> Response:
     return Response(stream_with_context(chunks), mimetype="text/event-stream", headers=headers)
 
 
-def cancel_job(store: Store, job_id: str) -> JobRecord:
-    """Cancel a job, from the route or a streaming client that went away. A queued job ends
-    `cancelled` at once and never runs; a running one is ended by its runner at the next
-    step with its partial text (the runner keeps its model). Returns the job as it is now."""
-    job = _stored_job(store, job_id)
-    while job.status == "queued":
-        cancelled = job.finished(
-            "cancelled", text="", finish_reason="cancelled", completion_tokens=0
-        )
-        if store.transition(cancelled, allowed_from=("queued",)):
-            return cancelled
-        job = _stored_job(store, job_id)  # a runner took it meanwhile, or it ended
-    if job.is_terminal:
-        raise Conflict(f"job '{job_id}' is already {job.status}", {"status": job.status})
-    assert job.runner_id is not None, "a running job always names its runner"
-    store.send_to_runner(job.runner_id, CancelJob(job_id=job_id, reason="cancelled"))
-    return job
-
-
 @bp.post("/<job_id>/cancel")
 def cancel(job_id: str) -> tuple[Response, int]:
     """202 with the job: `cancelled` if it was queued, else still `running` until its runner's
     next step ends it."""
-    return jsonify(public(cancel_job(ctx().store, job_id))), 202
+    return jsonify(public(jobs.cancel(ctx().store, job_id))), 202

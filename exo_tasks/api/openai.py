@@ -17,12 +17,12 @@ from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel
 
 from config.settings import model_slug
+from exo_tasks import jobs, limits
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.errors import openai_error_body
 from exo_tasks.api.fleet import Fleet, is_down
 from exo_tasks.api.jobs import (
     KEEPALIVE,
-    cancel_job,
     follow_events,
     json_body,
     parse_job_request,
@@ -153,11 +153,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
     """The job once it has ended; a failed job is an error. Bounded by the job's time limits:
     past them (it sat in the queue) the job is cancelled and the request gets 503."""
     settings = context.settings
-    limit_s = (
-        (job.request.timeout_s or settings.job_soft_time_limit_s)
-        + settings.job_hard_grace_s
-        + WAIT_SLACK_S
-    )
+    limit_s = limits.job_limits(job.request.timeout_s, settings).hard_s + WAIT_SLACK_S
     deadline = time.monotonic() + limit_s
     final: JobRecord | None = None
     for item in follow_events(context.store, job.id):
@@ -165,7 +161,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
             final = item[1].job
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
-                cancel_job(context.store, job.id)
+                jobs.cancel(context.store, job.id)
             raise Unavailable(
                 f"job {job.id} did not finish within {limit_s:.0f}s; it was cancelled",
                 {"job_id": job.id},
@@ -213,7 +209,7 @@ def _stream(
     finally:
         if not ended:
             with contextlib.suppress(ExoError):
-                cancel_job(store, job.id)
+                jobs.cancel(store, job.id)
 
 
 def _ending(

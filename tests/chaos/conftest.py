@@ -48,11 +48,10 @@ class Report:
             "| case | jobs | faults injected | lost | bounds observed |\n"
             "| --- | --- | --- | --- | --- |\n"
             f"{rows}\n\n"
-            "Known limit, not covered above: kombu's Redis transport pops a message (BRPOP) "
-            "before it records it as unacknowledged; a worker SIGKILLed inside that window "
-            "loses the message, and its job stays `queued`. Seen once in a chaos run that "
-            "killed a worker while it was still fetching; the kill -9 case therefore kills "
-            "once every message has been taken.\n"
+            "kombu's Redis transport pops a message (BRPOP) before it records it as "
+            "unacknowledged, so a worker SIGKILLed in between loses the message itself; the "
+            "recovery loop sends a queued job whose message is nowhere again (see "
+            "docs/shutdown.md). The kill -9 case kills while messages are being fetched.\n"
         )
 
 

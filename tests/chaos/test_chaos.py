@@ -1,7 +1,8 @@
 """Break the running system on purpose and prove that nothing accepted is lost.
 
-Each case has its own redis-server, workers and API (short visibility timeout and restore
-sweep, so redelivery happens within the test), and records its figures for docs/reliability.md.
+Each case has its own redis-server, workers and API with the default broker settings (an hour's
+visibility timeout: recovery must come from heartbeats, not redelivery), and records its figures
+for docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -39,10 +40,6 @@ from tests.stack import (
     wait_until,
 )
 
-# Short limits so a dead worker's messages come back within seconds: visibility = hard + 5 s.
-LIMITS = {"job_soft_time_limit_s": 4, "job_hard_grace_s": 1}
-WORKER_SETTINGS = {**LIMITS, "broker_visibility_timeout_s": 1, "broker_restore_interval_s": 1}
-
 
 @dataclass
 class Chaos:
@@ -60,7 +57,7 @@ class Chaos:
             host,
             [self.model],
             self.data_dir,
-            **{**WORKER_SETTINGS, **settings},
+            **settings,
         )
         wait_runner_ready(self.store, worker)
         return worker
@@ -90,7 +87,7 @@ class Chaos:
 @pytest.fixture
 def chaos(processes: Processes, tiny_model: Path, tmp_path: Path) -> Iterator[Chaos]:
     redis = start_redis(processes, tmp_path / "redis")
-    api = Api(api_settings(redis.url, [tiny_model], **LIMITS))
+    api = Api(api_settings(redis.url, [tiny_model]))
     yield Chaos(processes, redis, Store.from_url(redis.url), api, tiny_model, tmp_path)
     api.close()
 
@@ -100,15 +97,13 @@ def submit_many(api: Api, count: int, **body: Any) -> list[str]:
         return list(pool.map(lambda i: api.submit(prompt=f"job {i}", **body), range(count)))
 
 
-def test_kill_9_of_a_worker_with_50_jobs_in_flight_loses_none(
-    chaos: Chaos, reliability: Report
-) -> None:
+def test_kill_9_of_a_worker_while_it_fetches_loses_none(chaos: Chaos, reliability: Report) -> None:
     victim = chaos.worker("chaos-a", worker_concurrency=34)
     chaos.worker("chaos-b", worker_concurrency=34)
     ids = submit_many(chaos.api, 50, max_tokens=48, ignore_eos=True)
-    # Kill once every message has been taken by a worker: a message kombu has popped but not
-    # yet recorded as unacknowledged dies with its worker (see docs/reliability.md).
-    wait_until(lambda: chaos.store.queue_depth("exo.model.tiny") == 0, 20, "an empty queue")
+    # Kill at the worst moment: jobs run on the victim while messages are still being fetched
+    # (kombu pops a message before it records it as unacknowledged: one killed in between is
+    # in no queue at all).
     wait_until(
         lambda: (
             sum(
@@ -118,11 +113,13 @@ def test_kill_9_of_a_worker_with_50_jobs_in_flight_loses_none(
                 and job.runner_id == "tiny@chaos-a"
                 and job.status == "running"
             )
-            >= 5
+            >= 3
         ),
         20,
         "jobs running on the victim",
+        interval_s=0.01,
     )
+    waiting = chaos.store.queue_depth("exo.model.tiny")
     runner_pid = chaos.store.get_runner("tiny@chaos-a").pid  # type: ignore[union-attr]
     killed = time.monotonic()
     victim.process.send_signal(signal.SIGKILL)
@@ -135,22 +132,25 @@ def test_kill_9_of_a_worker_with_50_jobs_in_flight_loses_none(
         "the victim's runner to exit",
     )
     runner_gone_s = time.monotonic() - killed
-    jobs = chaos.outcome(ids, timeout_s=90)
+    # Heartbeat expiry (10 s) + the requeue bound (15 s) + the jobs themselves.
+    jobs = chaos.outcome(ids, timeout_s=60)
     drained_s = time.monotonic() - killed
-    statuses = [j["status"] for j in jobs.values()]
-    assert statuses.count("succeeded") == 50, statuses
+    unsucceeded = [(j["status"], j["error"]) for j in jobs.values() if j["status"] != "succeeded"]
+    assert not unsucceeded
     assert all(chaos.done_events(j) == 1 for j in ids)
-    redelivered = sum(1 for j in jobs.values() if j["attempts"] > 0)
+    recovered = sum(1 for j in jobs.values() if j["attempts"] > 0)
     reliability.add(
         Case(
-            "kill -9 one of two workers' main process",
+            "kill -9 one of two workers' main process while it fetches (default visibility "
+            "timeout, 3600 s)",
             50,
             "1 SIGKILL (worker main)",
             chaos.lost(jobs),
             [
+                f"{waiting} messages still queued at the kill",
                 f"runner gone {runner_gone_s:.1f}s (bound 5s)",
-                f"{redelivered} jobs redelivered",
-                f"all ended {drained_s:.0f}s after the kill",
+                f"{recovered} jobs requeued by the recovery loop",
+                f"all 50 succeeded {drained_s:.0f}s after the kill (bound 60s); none twice",
             ],
         )
     )

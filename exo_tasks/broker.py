@@ -1,0 +1,105 @@
+"""The one module that knows how kombu keeps Celery's messages in Redis.
+
+- A queue is one Redis list per priority step: `queue` for step 0, `queue\\x06\\x16<step>` for
+  the others; messages are JSON with the task id in `headers.id`.
+- A message delivered to a worker and not yet acknowledged sits in the hash `unacked`
+  (delivery tag → `[message, exchange, routing_key]`) and the sorted set `unacked_index`
+  (delivery tag → delivery time). kombu gives it back only on a clean close of its consumer or
+  once it is older than the visibility timeout: after a SIGKILL, an hour by default.
+- kombu BRPOPs a message before it records it as unacknowledged: a worker killed in between
+  loses it altogether.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kombu import Connection
+
+from config.celery import PRIORITY_STEPS
+
+PRIORITY_SEP = "\x06\x16"
+UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"
+
+
+def queue_lists(queue: str) -> list[str]:
+    """A Celery queue's Redis lists, one per priority step."""
+    return [f"{queue}{PRIORITY_SEP}{step}" if step else queue for step in PRIORITY_STEPS]
+
+
+def _task_id(message: Any) -> str | None:
+    headers = message.get("headers") if isinstance(message, dict) else None
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id if isinstance(task_id, str) else None
+
+
+@dataclass(frozen=True)
+class Unacked:
+    """A message delivered to some worker and not acknowledged yet."""
+
+    tag: str
+    task_id: str | None
+    delivered_at: float
+
+    def age_s(self, now: float) -> float:
+        return now - self.delivered_at
+
+
+@dataclass(frozen=True)
+class Messages:
+    """Where the broker's messages are, read in one transaction (a message moving from a queue
+    to `unacked` meanwhile is seen in exactly one of them)."""
+
+    queued_task_ids: set[str]
+    unacked: list[Unacked]
+
+    def has_task(self, task_id: str) -> bool:
+        return task_id in self.queued_task_ids or any(u.task_id == task_id for u in self.unacked)
+
+
+def read_messages(redis: Any, queues: Iterable[str]) -> Messages:
+    """Every message waiting in `queues` and every unacknowledged one, in one transaction."""
+    pipe = redis.pipeline(transaction=True)
+    for key in [key for queue in sorted(set(queues)) for key in queue_lists(queue)]:
+        pipe.lrange(key, 0, -1)
+    pipe.hgetall(UNACKED)
+    pipe.zrange(UNACKED_INDEX, 0, -1, withscores=True)
+    *queued, unacked, index = pipe.execute()
+    task_ids = {
+        task_id
+        for raw_messages in queued
+        for raw in raw_messages
+        if (task_id := _task_id(json.loads(raw))) is not None
+    }
+    delivered = dict(index)
+    entries = [
+        Unacked(tag=tag, task_id=_task_id(json.loads(raw)[0]), delivered_at=delivered[tag])
+        for tag, raw in unacked.items()
+        if tag in delivered
+    ]
+    return Messages(queued_task_ids=task_ids, unacked=entries)
+
+
+class Broker:
+    """Reads kombu's layout directly; gives messages back through kombu itself, so a restore
+    is exactly the one kombu would make (priority list, `redelivered` flag) and happens once
+    even when two workers try it (kombu WATCHes the `unacked` hash)."""
+
+    def __init__(self, redis: Any, connect: Callable[[], Connection]) -> None:
+        self.redis = redis
+        self._connect = connect
+
+    def messages(self, queues: Iterable[str]) -> Messages:
+        return read_messages(self.redis, queues)
+
+    def restore(self, tags: Iterable[str]) -> None:
+        """Put unacknowledged messages back at the head of their queues (they are the oldest
+        there: kombu pushes new messages on the left and pops them on the right)."""
+        with self._connect() as connection:
+            channel: Any = connection.default_channel
+            for tag in tags:
+                channel.qos.restore_by_tag(tag)

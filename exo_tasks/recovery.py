@@ -1,0 +1,210 @@
+"""Worker incarnations, job ownership, and the recovery loop.
+
+Every stop that runs the stopping process's own code is bounded by that code (docs/shutdown.md).
+Every other stop (SIGKILL, the OOM killer, a host losing power, a launcher that dies) is decided
+here, from what the system knows of who is alive, never from the broker's visibility timeout:
+
+- Each run of a worker is an *incarnation*; its heartbeat (an expiring key, every 2 s) names it
+  and lists the broker messages it holds unacknowledged. A job handed to a runner records the
+  incarnation that holds it (`JobRecord.owner`).
+- One recovery loop, held by one worker at a time (a lease in Redis), sweeps every 2 s:
+  messages that no live incarnation holds go back to their queue; running jobs whose owner is
+  gone are requeued (compare-and-set on that owner: never taken from a live attempt); queued
+  jobs whose message is in no queue and not unacknowledged anywhere (kombu pops a message before
+  it records it, so a SIGKILL in between loses it) are sent again; a dead host's runners are
+  marked `Failed`.
+- A worker that starts requeues what its previous incarnation on the same host held, at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from exo_tasks import jobs as job_service
+from exo_tasks.broker import Broker, Messages
+from exo_tasks.store import Store
+from exo_tasks.types import HostState, JobRecord, RunnerState, RunnerStatus, utcnow
+
+log = logging.getLogger("exo_tasks.recovery")
+HEARTBEAT_INTERVAL_S = 2.0
+# A host whose heartbeat is this old is gone: the API stops routing to it and its work is
+# recovered. Five missed beats, so a busy machine is not declared dead.
+HEARTBEAT_TTL_S = 10.0
+SWEEP_INTERVAL_S = 2.0
+LEASE_TTL_S = 3 * SWEEP_INTERVAL_S
+# A message taken by a live worker shows in that worker's next heartbeat; one older than this
+# that no live worker lists is orphaned.
+UNACKED_GRACE_S = HEARTBEAT_TTL_S
+# A queued job whose message is nowhere is sent again only once it was seen so this far apart
+# (the API records a job a moment before it sends the message).
+LOST_GRACE_S = 5.0
+
+
+def new_incarnation(host: str) -> str:
+    return f"{host}:{os.getpid()}:{int(time.time() * 1000)}"
+
+
+class Presence:
+    """This worker's heartbeat: the host, its incarnation and the messages it holds."""
+
+    def __init__(self, store: Store, state: HostState, held: Callable[[], list[str]]) -> None:
+        self.store = store
+        self.state = state
+        self.held = held
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def incarnation(self) -> str:
+        return self.state.incarnation
+
+    def start(self) -> HostState | None:
+        """Announce this incarnation; returns the previous one's last heartbeat, if it had not
+        expired yet (it died without a clean stop)."""
+        previous = self.store.get_host(self.state.name)
+        self.beat()
+        threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
+        return (
+            previous if previous is not None and previous.incarnation != self.incarnation else None
+        )
+
+    def beat(self) -> None:
+        with self._lock:  # never after stop() removed the host
+            if not self._closing.is_set():
+                state = self.state.model_copy(update={"updated_at": utcnow(), "held": self.held()})
+                self.store.publish_host(state, HEARTBEAT_TTL_S)
+
+    def _run(self) -> None:
+        while not self._closing.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat not sent", extra={"error": str(exc)})
+
+    def stop(self) -> None:
+        """A clean stop: the host is gone at once, not when its heartbeat expires."""
+        with self._lock:
+            self._closing.set()
+            with contextlib.suppress(redis.RedisError):
+                self.store.remove_host(self.state.name)
+
+
+class Recovery:
+    """The recovery loop (see the module's docstring). `resend` sends a job's message again."""
+
+    def __init__(
+        self,
+        store: Store,
+        broker: Broker,
+        resend: Callable[[JobRecord], None],
+        *,
+        host: str,
+        incarnation: str,
+    ) -> None:
+        self.store = store
+        self.broker = broker
+        self.resend = resend
+        self.host = host
+        self.incarnation = incarnation
+        self._missing_since: dict[str, float] = {}
+        self._closing = threading.Event()
+
+    def start(self, previous: HostState | None) -> None:
+        self.recover_own_host(previous)
+        threading.Thread(target=self._run, name="recovery", daemon=True).start()
+
+    def stop(self) -> None:
+        self._closing.set()
+
+    def _run(self) -> None:
+        while not self._closing.wait(SWEEP_INTERVAL_S):
+            try:
+                if self.store.hold_lease(self.incarnation, LEASE_TTL_S):
+                    self.sweep()
+            except Exception:  # Redis down, say: the loop must outlive it
+                log.exception("recovery sweep failed; retrying")
+
+    def recover_own_host(self, previous: HostState | None) -> None:
+        """A worker starting on this host: what an earlier incarnation here held is orphaned
+        for sure, so it is recovered now rather than after its heartbeat expires."""
+        if previous is not None and previous.held:
+            self.broker.restore(previous.held)
+            log.warning(
+                "messages of the previous worker on this host restored",
+                extra={"incarnation": previous.incarnation, "messages": len(previous.held)},
+            )
+        for job in self.store.active_jobs():
+            if job.status == "running" and job.host == self.host and job.owner != self.incarnation:
+                self._requeue(job, "its worker on this host was restarted")
+
+    def sweep(self) -> None:
+        now = time.time()
+        hosts, runners = self.store.fleet()
+        active = self.store.active_jobs()
+        messages = self.broker.messages(job_service.queue_of(job) for job in active)
+        self._restore_orphaned_messages(messages, {tag for h in hosts for tag in h.held}, now)
+        live = {h.incarnation for h in hosts}
+        for job in active:
+            if job.status == "running" and job.owner and job.owner not in live:
+                self._requeue(job, "its worker is gone (no heartbeat)")
+        self._resend_lost(active, messages, now)
+        self._fail_runners_of_gone_hosts({h.name for h in hosts}, runners)
+
+    def _restore_orphaned_messages(self, messages: Messages, held: set[str], now: float) -> None:
+        orphaned = [
+            u.tag for u in messages.unacked if u.tag not in held and u.age_s(now) > UNACKED_GRACE_S
+        ]
+        if orphaned:
+            self.broker.restore(orphaned)
+            log.warning(
+                "orphaned messages restored to their queues", extra={"messages": len(orphaned)}
+            )
+
+    def _requeue(self, job: JobRecord, why: str) -> None:
+        requeued = self.store.requeue_job(job.id, only_from=job.owner)
+        if job.runner_id is not None:
+            self.store.release_job(job.runner_id, job.id)
+        if requeued is not None:
+            extra = {"job_id": job.id, "owner": job.owner, "attempt": requeued.attempts}
+            log.warning(f"job requeued: {why}", extra=extra)
+
+    def _resend_lost(self, active: list[JobRecord], messages: Messages, now: float) -> None:
+        """Queued jobs whose message is in no queue and held by no worker, seen so twice
+        LOST_GRACE_S apart, get a new message (one sweep at a time: the lease)."""
+        missing = {
+            job.id: job
+            for job in active
+            if job.status == "queued" and not messages.has_task(job.id)
+        }
+        for job_id in list(self._missing_since):
+            if job_id not in missing:
+                del self._missing_since[job_id]
+        for job_id, job in missing.items():
+            since = self._missing_since.setdefault(job_id, now)
+            if now - since >= LOST_GRACE_S:
+                del self._missing_since[job_id]
+                self.resend(job)
+                log.warning("lost message sent again", extra={"job_id": job_id})
+
+    def _fail_runners_of_gone_hosts(self, live_hosts: set[str], runners: list[RunnerState]) -> None:
+        for runner in runners:
+            down = runner.status.is_final and runner.next_restart_at is None
+            if runner.host in live_hosts or down:
+                continue
+            error = f"host exo@{runner.host} gone (no heartbeat)"
+            update = {
+                "status": RunnerStatus.FAILED,
+                "error": error,
+                "active_jobs": 0,
+                "next_restart_at": None,
+                "updated_at": utcnow(),
+            }
+            self.store.publish_runner(runner.model_copy(update=update))
+            log.error("runner marked failed", extra={"runner": runner.id, "error": error})

@@ -1,0 +1,183 @@
+"""Recovery when the stopper itself dies: a worker SIGKILLed, a message lost in kombu's fetch
+window, a cancel for a job whose worker is gone. Default settings (visibility timeout 3600 s):
+every bound below comes from heartbeats and the recovery loop, never from redelivery.
+
+The session's own worker (host-a) stays alive throughout and holds the recovery loop's lease,
+as a second host of a fleet would.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+from exo_tasks import broker, jobs
+from exo_tasks.recovery import HEARTBEAT_TTL_S
+from exo_tasks.types import JobRecord, JobRequest, host_queue
+from tests.conftest import Stack, new_worker, runner_state, wait_tokens
+from tests.stack import Processes, wait_until
+
+# A job long enough to be in flight when the worker dies, short enough to finish quickly after.
+MEDIUM = {"prompt": "medium", "max_tokens": 600, "ignore_eos": True}
+# Within this long of a dead worker's heartbeat going stale, its jobs are queued again.
+REQUEUE_BOUND_S = 15.0
+
+
+def follow(stack: Stack, job_id: str, events: list[str]) -> threading.Thread:
+    """Collect the event names of a job's SSE stream in the background."""
+
+    def read() -> None:
+        with requests.get(f"{stack.api.url}/v1/jobs/{job_id}/stream", stream=True, timeout=90) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("event: "):
+                    events.append(line.removeprefix("event: "))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader
+
+
+def in_a_queue(stack: Stack, job_id: str, queue: str) -> bool:
+    """The job's message waits in `queue` (not in kombu's unacked hash)."""
+    return job_id in broker.read_messages(stack.store.redis, [queue]).queued_task_ids
+
+
+def test_a_sigkilled_workers_jobs_are_requeued_from_its_heartbeat_not_the_broker(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    host = "rc-kill"
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    ids = [stack.api.submit(**MEDIUM, host=host) for _ in range(3)]
+    for job_id in ids:
+        wait_tokens(stack, job_id)
+    events: list[str] = []
+    reader = follow(stack, ids[0], events)
+    killed = time.monotonic()
+    worker.process.send_signal(signal.SIGKILL)
+
+    def all_requeued() -> bool:
+        jobs = [stack.store.get_job(j) for j in ids]
+        return all(
+            j is not None
+            and j.status == "queued"
+            and j.attempts == 1
+            and in_a_queue(stack, j.id, host_queue(host))
+            for j in jobs
+        )
+
+    wait_until(all_requeued, HEARTBEAT_TTL_S + REQUEUE_BOUND_S, "the jobs requeued", interval_s=0.2)
+    requeued_s = time.monotonic() - killed
+    assert requeued_s > HEARTBEAT_TTL_S - 3  # decided by the heartbeat, not by anything faster
+    state = wait_until(
+        lambda: (s := runner_state(stack.store, host)).status == "Failed" and s, 5, "runner Failed"
+    )
+    assert state.error == f"host exo@{host} gone (no heartbeat)"
+    ready = stack.api.get("/readyz").json()["ready_runners"]
+    assert f"tiny@{host}" not in ready and "tiny@host-a" in ready
+    wait_until(lambda: "requeued" in events, 2, "event: requeued on the stream")
+
+    new_worker(stack, processes, tiny_model, tmp_path, host)
+    for job_id in ids:
+        job = stack.api.wait_job(job_id, timeout_s=60)
+        assert job["status"] == "succeeded" and job["attempts"] == 1
+        assert job["usage"]["completion_tokens"] == 600
+        assert [e.event for _, e in stack.store.read_events(job_id)].count("done") == 1
+    reader.join(timeout=5)
+    assert events[-1] == "done" and events.count("requeued") == 1
+
+
+def test_a_worker_restarted_at_once_requeues_its_previous_incarnations_jobs_at_once(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    host = "rc-restart"
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    ids = [stack.api.submit(**MEDIUM, host=host) for _ in range(2)]
+    for job_id in ids:
+        wait_tokens(stack, job_id)
+    worker.process.send_signal(signal.SIGKILL)
+    worker.process.wait(timeout=5)
+    restarted = time.monotonic()
+    new_worker(stack, processes, tiny_model, tmp_path, host)  # its heartbeat has not expired
+    for job_id in ids:
+        job = stack.api.wait_job(job_id, timeout_s=60)
+        assert job["status"] == "succeeded" and job["attempts"] == 1
+    # Model load plus the jobs themselves, with no wait for the old heartbeat to expire.
+    assert time.monotonic() - restarted < HEARTBEAT_TTL_S + 20
+
+
+def test_a_queued_job_whose_message_was_lost_is_sent_again_exactly_once(stack: Stack) -> None:
+    # As when a worker is SIGKILLed between kombu's BRPOP and its record of the message as
+    # unacknowledged: the job is queued, and its message is nowhere.
+    job = JobRecord(
+        id=uuid.uuid4().hex,
+        model="tiny",
+        request=JobRequest.model_validate({"prompt": "lost", "max_tokens": 8}),
+    )
+    assert stack.store.create_job(job, "exo.model.tiny", max_queued=1_000) == 0
+    started = time.monotonic()
+    ended = stack.api.wait_job(job.id, timeout_s=30)
+    assert ended["status"] == "succeeded" and ended["attempts"] == 0
+    assert time.monotonic() - started < 30
+    time.sleep(3)  # a second message would have run by now
+    assert [e.event for _, e in stack.store.read_events(job.id)].count("done") == 1
+
+
+def test_a_cancel_for_a_job_whose_worker_died_is_final(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    host = "rc-cancel"
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    early, late = (stack.api.submit(**MEDIUM, host=host) for _ in range(2))
+    wait_tokens(stack, early)
+    wait_tokens(stack, late)
+    worker.process.send_signal(signal.SIGKILL)
+    worker.process.wait(timeout=5)
+
+    # Before the heartbeat expires the worker still counts as alive: the cancel is remembered.
+    response = stack.api.post(f"/v1/jobs/{early}/cancel")
+    assert response.status_code == 202
+    # Once it has expired, the cancel ends the job itself.
+    wait_until(
+        lambda: stack.store.get_host(host) is None, HEARTBEAT_TTL_S + 2, "the heartbeat to expire"
+    )
+    response = stack.api.post(f"/v1/jobs/{late}/cancel")
+    assert response.status_code == 202 and response.json()["status"] in ("cancelled", "queued")
+
+    for job_id in (early, late):
+        job = stack.api.wait_job(job_id, timeout_s=REQUEUE_BOUND_S)
+        assert job["status"] == "cancelled" and job["output"]["finish_reason"] == "cancelled"
+    new_worker(stack, processes, tiny_model, tmp_path, host)
+    time.sleep(3)  # a redelivered message would have started by now
+    for job_id in (early, late):
+        assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+        assert [e.event for _, e in stack.store.read_events(job_id)].count("done") == 1
+
+
+def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    host = "rc-pinned"
+    new_worker(stack, processes, tiny_model, tmp_path, host)
+    assert (
+        stack.api.post(f"/v1/runners/tiny@{host}/shutdown", json={"mode": "hard"}).status_code
+        == 202
+    )
+    wait_until(lambda: runner_state(stack.store, host).status == "Shutdown", 10, "Shutdown")
+    # Queued before the API could see the stop (as a job already waiting in the queue would be).
+    job = JobRecord(
+        id=uuid.uuid4().hex,
+        model="tiny",
+        request=JobRequest.model_validate({"prompt": "wait", "max_tokens": 4, "host": host}),
+    )
+    stack.store.create_job(job, host_queue(host), max_queued=1_000)
+    context = stack.api.app.extensions["exo"]
+    jobs.send(context.celery, context.settings, job)
+    time.sleep(4)
+    assert stack.api.get(f"/v1/jobs/{job.id}").json()["status"] == "queued"  # not failed
+    assert stack.api.post("/v1/runners", json={"model": "tiny", "host": host}).status_code == 202
+    assert stack.api.wait_job(job.id, timeout_s=60)["status"] == "succeeded"
