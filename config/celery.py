@@ -36,7 +36,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_serializer": "json",
         "accept_content": ["json"],
         "result_accept_content": ["json"],
-        "result_expires": settings.result_expires_s,
+        "result_expires": settings.job_ttl_s,
         # Long jobs: acknowledge after the task ran, take one message at a time.
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,

@@ -61,10 +61,23 @@ class Settings(BaseSettings):
     max_tokens: int = 4096
     max_queued_jobs: int = 1000
     max_prompt_chars: int = 100_000
+    max_prompt_tokens: int = Field(
+        8192, ge=1, description="The cap on a prompt's tokens after the chat template."
+    )
+    max_stop_chars: int = Field(256, ge=1, description="The cap on each stop string's length.")
     max_body_bytes: int = 1 << 20
     broker_visibility_timeout_s: float = 3600.0
     broker_restore_interval_s: float = 10.0
-    result_expires_s: int = 24 * 3600
+    job_ttl_s: int = Field(
+        24 * 3600,
+        ge=60,
+        description="How long a job's record, event streams and Celery result are kept.",
+    )
+    redis_maxmemory_mb: int = Field(
+        1024,
+        ge=1,
+        description="The embedded Redis's memory cap; full, it refuses writes (never evicts).",
+    )
     log_level: str = "INFO"
 
     @property

@@ -28,6 +28,4 @@ class ExoCelery(Celery):
 
     @cached_property
     def store(self) -> Store:
-        return Store.from_url(
-            self.settings.effective_redis_url, result_ttl_s=self.settings.result_expires_s
-        )
+        return Store.from_url(self.settings.effective_redis_url, job_ttl_s=self.settings.job_ttl_s)

@@ -56,7 +56,8 @@ def cmd_up(settings: Settings, _: argparse.Namespace) -> None:
 def cmd_redis(settings: Settings, _: argparse.Namespace) -> None:
     from exo_tasks.redis_server import redis_server_argv
 
-    _exec(redis_server_argv(settings.redis_port, settings.data_dir / "redis"))
+    data_dir = settings.data_dir / "redis"
+    _exec(redis_server_argv(settings.redis_port, data_dir, settings.redis_maxmemory_mb))
 
 
 def cmd_api(settings: Settings, _: argparse.Namespace) -> None:

@@ -12,7 +12,9 @@ busy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 import os
 import queue
@@ -31,6 +33,7 @@ from exo_tasks.types import ChatMessage, SamplingParams
 Sampler = Callable[[mx.array], mx.array]
 EngineFinish = Literal["stop", "length"]
 T = TypeVar("T")
+log = logging.getLogger("exo_tasks.engine")
 MAX_AUTO_LANES = 8
 # Small batches side by side are slower than one batch on the CPU (bench model, 2 cores: two
 # lanes of 1 job make 17% fewer tokens/s than one lane of 2; two of 4, 7% more than one of 8;
@@ -54,6 +57,7 @@ class TokenDelta:
     text: str  # new text to publish (may be "" while a possible stop string is held back)
     completion_tokens: int  # tokens sampled so far, the EOS included (it counts to max_tokens)
     finish_reason: EngineFinish | None  # set on the job's last delta
+    error: str | None = None  # set instead when the job failed: the engine dropped it
 
 
 @dataclass
@@ -61,6 +65,7 @@ class _Job:
     job_id: str
     detokenizer: Any
     stop: list[str]
+    sampler: Any  # its own _GuardedSampler, or a shared one (or None: greedy)
     text: str = ""  # decoded so far, cut before a stop string once one is found
     published: int = 0  # length of the prefix of `text` already handed out
     tokens: int = 0
@@ -89,6 +94,22 @@ class _Job:
                     longest = k
                     break
         return longest
+
+
+class _GuardedSampler:
+    """A job's own sampler, kept from failing its batch: what it raises is kept (the engine
+    fails the job after the step) and its row is sampled greedily meanwhile."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.error: str | None = None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        try:
+            return self.sampler(logprobs)
+        except Exception as exc:  # noqa: BLE001 (reported as the job's failure)
+            self.error = self.error or f"sampling failed: {exc!r}"
+            return mx.argmax(logprobs, axis=-1)
 
 
 def _seeded_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
@@ -170,18 +191,25 @@ class _Lane:
     ) -> None:
         self.submit = submit
         self.jobs: dict[int, _Job] = {}  # by generator uid
-        # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
-        self.generator: Any = self.call(
-            lambda: BatchGenerator(
-                model,
-                completion_batch_size=completion_batch_size,
-                prefill_batch_size=prefill_batch_size,
-            )
+        self._make = functools.partial(
+            BatchGenerator,
+            model,
+            completion_batch_size=completion_batch_size,
+            prefill_batch_size=prefill_batch_size,
         )
+        # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
+        self.generator: Any = self.call(self._make)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         result: T = self.submit(fn, *args, **kwargs).result()
         return result
+
+    def reset(self) -> None:
+        """A fresh generator, empty, in place of one whose step failed (its state unknown)."""
+        self.jobs.clear()
+        with contextlib.suppress(Exception):
+            self.call(self.generator.close)
+        self.generator = self.call(self._make)
 
     def close(self) -> None:
         self.call(self.generator.remove, list(self.jobs))
@@ -255,15 +283,16 @@ class BatchEngine:
         if job_id in self._where:
             raise ValueError(f"job {job_id} is already in the engine")
         lane = self._lane_for_new_job()
+        sampler = self._sampler(params)
         (uid,) = lane.call(
             lane.generator.insert,
             [prompt_tokens],
             max_tokens=[params.max_tokens],
-            samplers=[self._sampler(params)],
+            samplers=[sampler],
             stop_sequences=[self._never_stop if params.ignore_eos else self._stop_on_eos],
         )
         self._where[job_id] = (lane, uid)
-        lane.jobs[uid] = _Job(job_id, self._tokenizer.detokenizer, list(params.stop))
+        lane.jobs[uid] = _Job(job_id, self._tokenizer.detokenizer, list(params.stop), sampler)
 
     def _lane_for_new_job(self) -> _Lane:
         """The lane with the fewest jobs, of the busy ones until each holds LANE_MIN_JOBS."""
@@ -286,11 +315,54 @@ class BatchEngine:
         # Lane 0 runs here, when it is submitted: the others are started before it.
         busy = [lane for lane in reversed(self._lanes) if lane.jobs]
         running = [(lane, lane.submit(lane.generator.next)) for lane in busy]
-        stepped = [(lane, future.result()[1]) for lane, future in running]
-        self._largest_batch = max(
-            self._largest_batch, sum(len(responses) for _, responses in stepped)
+        deltas: list[TokenDelta] = []
+        batch = 0
+        for lane, future in running:
+            try:
+                responses = future.result()[1]
+            except Exception as exc:  # noqa: BLE001 (one lane's failure is its jobs' alone)
+                deltas.extend(self._lane_failed(lane, exc))
+                continue
+            batch += len(responses)
+            for r in responses:
+                try:
+                    deltas.append(self._delta(lane, r))
+                except Exception as exc:  # a detokenizer's failure is its job's alone
+                    log.exception("decoding a job's token failed")
+                    deltas.extend(self._fail(lane, [r.uid], f"decoding failed: {exc!r}"))
+            for uid, job in list(lane.jobs.items()):
+                if isinstance(job.sampler, _GuardedSampler) and job.sampler.error:
+                    deltas.extend(self._fail(lane, [uid], job.sampler.error))
+        self._largest_batch = max(self._largest_batch, batch)
+        return deltas
+
+    def _lane_failed(self, lane: _Lane, exc: Exception) -> list[TokenDelta]:
+        """A lane's step raised: its jobs fail and it starts over with a fresh generator; the
+        other lanes are untouched. Retrying without the jobs in prefill is not safe: a
+        BatchGenerator step decodes before it prefills, so a failure in prefill has already
+        consumed the decoding jobs' tokens (lost, and a job that ended there never ends). A
+        job's own sampler cannot get here (see _GuardedSampler)."""
+        log.error(
+            "a lane's step failed; its jobs fail",
+            exc_info=exc,
+            extra={"jobs": [job.job_id for job in lane.jobs.values()]},
         )
-        return [self._delta(lane, r) for lane, responses in stepped for r in responses]
+        failures = self._fail(lane, list(lane.jobs), f"generation failed: {exc!r}")
+        lane.reset()
+        return failures
+
+    def _fail(self, lane: _Lane, uids: list[int], error: str) -> list[TokenDelta]:
+        """Take jobs out of a lane whose generator may be broken; a failure delta for each."""
+        failures: list[TokenDelta] = []
+        for uid in uids:
+            job = lane.jobs.pop(uid, None)
+            if job is None:
+                continue
+            self._where.pop(job.job_id, None)
+            with contextlib.suppress(Exception):
+                lane.call(lane.generator.remove, [uid])
+            failures.append(TokenDelta(job.job_id, "", job.tokens, None, error))
+        return failures
 
     def _delta(self, lane: _Lane, r: Any) -> TokenDelta:
         """What one generation response means for its job."""
@@ -330,7 +402,7 @@ class BatchEngine:
         if params.temperature == 0.0:
             return None  # BatchGenerator's own greedy sampler
         if params.seed is not None:
-            return _seeded_sampler(params.temperature, params.top_p, params.seed)
+            return _GuardedSampler(_seeded_sampler(params.temperature, params.top_p, params.seed))
         # BatchGenerator samples the batch in one call only when every row has the same sampler
         # object (else row by row), so jobs with equal settings share one.
         setting = (params.temperature, params.top_p)

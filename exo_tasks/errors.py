@@ -67,3 +67,16 @@ class RunnerGone(ExoError):
     """The runner a job was handed to died or stopped before finishing it."""
 
     type = "runner_gone"
+
+
+class BadRequest(ExoError):
+    """Input that cannot even be parsed: JSON nested too deeply, a malformed number or id."""
+
+    status = 400
+    type = "bad_request"
+
+
+class StorageFull(Unavailable):
+    """Redis refused a write: it is at its `maxmemory` and never evicts job or queue keys."""
+
+    type = "storage_full"

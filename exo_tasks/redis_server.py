@@ -1,4 +1,5 @@
-"""The embedded Redis: a `redis-server` bound to loopback, with AOF under EXO_DATA_DIR."""
+"""The embedded Redis: a `redis-server` bound to loopback, with AOF under EXO_DATA_DIR and a
+memory cap."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def find_redis_server() -> str:
     raise ExoError(INSTALL_HINT)
 
 
-def redis_server_argv(port: int, data_dir: Path) -> list[str]:
+def redis_server_argv(port: int, data_dir: Path, maxmemory_mb: int) -> list[str]:
     data_dir.mkdir(parents=True, exist_ok=True)
     return [
         find_redis_server(),
@@ -54,6 +55,12 @@ def redis_server_argv(port: int, data_dir: Path) -> list[str]:
         "always",
         "--save",
         "",
+        # Bounded, and never evicting: a lost queue message or job record is a lost job. Full,
+        # Redis refuses writes, which the API answers with 503 (EXO_REDIS_MAXMEMORY_MB).
+        "--maxmemory",
+        f"{maxmemory_mb}mb",
+        "--maxmemory-policy",
+        "noeviction",
         "--daemonize",
         "no",
     ]

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from exo_tasks import metrics
 from exo_tasks.logs import configure_logging
-from exo_tasks.store import Store
+from exo_tasks.store import Store, UnreadableCommand, is_out_of_memory
 from exo_tasks.types import (
     CancelJob,
     FinishReason,
@@ -60,6 +60,12 @@ GATHER_STEP_SHARE = 0.25
 GATHER_MAX_S = 0.25
 
 
+def redis_waits(exc: redis.RedisError) -> bool:
+    """Redis is unreachable, or full (it refuses writes until keys expire): the runner keeps
+    what it owes Redis and tries again, rather than failing its jobs."""
+    return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or is_out_of_memory(exc)
+
+
 class RunnerSpec(BaseModel):
     """Everything a runner process needs, handed over by the supervisor at spawn."""
 
@@ -68,7 +74,8 @@ class RunnerSpec(BaseModel):
     model: str
     model_path: str
     redis_url: str
-    result_ttl_s: int
+    job_ttl_s: int
+    max_prompt_tokens: int
     restarts: int = 0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
@@ -148,7 +155,7 @@ class Runner:
     def __init__(self, spec: RunnerSpec, progress: RunnerProgress) -> None:
         self.spec = spec
         self.progress = progress
-        self.store = Store.from_url(spec.redis_url, result_ttl_s=spec.result_ttl_s)
+        self.store = Store.from_url(spec.redis_url, job_ttl_s=spec.job_ttl_s)
         self.state = RunnerState(
             id=spec.runner_id,
             host=spec.host,
@@ -158,7 +165,7 @@ class Runner:
             started_at=utcnow(),
             restarts=spec.restarts,
         )
-        self.commands: queue.Queue[RunnerCommand] = queue.Queue()
+        self.commands: queue.Queue[RunnerCommand | UnreadableCommand] = queue.Queue()
         self.active: dict[str, ActiveJob] = {}
         self.stop_request: StopRunner | None = None
         self.stop_deadline = 0.0
@@ -283,8 +290,10 @@ class Runner:
                     return
                 if self.active:
                     self._step()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unreachable; runner waits for it", extra={"error": str(exc)})
+            except redis.RedisError as exc:
+                if not redis_waits(exc):
+                    raise
+                log.warning("redis unreachable or full; runner waits", extra={"error": str(exc)})
                 time.sleep(REDIS_RETRY_S)
 
     def _flush(self) -> None:
@@ -345,22 +354,42 @@ class Runner:
         while True:
             try:
                 self._handle(command)
-            except (redis.ConnectionError, redis.TimeoutError):
-                self.commands.put(command)  # handled again once Redis is back
+            except redis.RedisError as exc:
+                if redis_waits(exc):
+                    self.commands.put(command)  # handled again once Redis is back
                 raise
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return True
 
-    def _handle(self, command: RunnerCommand) -> None:
+    def _handle(self, command: RunnerCommand | UnreadableCommand) -> None:
         if isinstance(command, SubmitJob):
             self._admit(command)
         elif isinstance(command, CancelJob):
             status: JobStatus = "timed_out" if command.reason == "time_limit" else "cancelled"
             self._end(command.job_id, status, command.reason)
+        elif isinstance(command, UnreadableCommand):
+            self._unreadable(command)
         else:
             self._begin_stop(command)
+
+    def _unreadable(self, command: UnreadableCommand) -> None:
+        """A message we cannot read fails the job it names now: dropped, the job would show
+        `running` until its time limits, which the message may have been unreadable for."""
+        log.error("unreadable command in the inbox", extra={"job_id": command.job_id})
+        if command.job_id is None:
+            return
+        error = f"the runner could not read the job's command: {command.error}"
+        if command.job_id in self.active:
+            self._end(command.job_id, "failed", None, error)
+        else:
+            self._refuse(command.job_id, error)
+
+    def _refuse(self, job_id: str, error: str) -> None:
+        """Fail a job that never joined the batch."""
+        self.store.release_job(self.spec.runner_id, job_id)
+        self.store.fail_job(job_id, error)
 
     def _admit(self, command: SubmitJob) -> None:
         # Its task marked the job running as it handed it over: nothing to write to start it.
@@ -371,18 +400,30 @@ class Runner:
             return
         try:
             prompt_tokens = self.engine.encode(job.request.prompt, job.request.messages)
-        except ValueError as exc:
-            self.store.release_job(self.spec.runner_id, job.id)
-            self.store.fail_job(job.id, f"could not encode the prompt: {exc}")
+        except Exception as exc:  # noqa: BLE001 (any tokenizer or template error is the job's)
+            self._refuse(job.id, f"could not encode the prompt: {exc}")
+            return
+        cap = self.spec.max_prompt_tokens
+        if len(prompt_tokens) > cap:
+            self._refuse(
+                job.id,
+                f"the prompt is {len(prompt_tokens)} tokens after the chat template; "
+                f"at most {cap} (EXO_MAX_PROMPT_TOKENS)",
+            )
             return
         # Counted here; the stored record shows it once the job ends.
         usage = job.usage.model_copy(update={"prompt_tokens": len(prompt_tokens)})
         started = job.model_copy(update={"usage": usage})
         try:
             self.engine.add(job.id, prompt_tokens, job.request)
-        except ValueError as exc:
-            self.store.release_job(self.spec.runner_id, job.id)
-            self.store.fail_job(job.id, str(exc))
+        except ValueError as exc:  # the engine's own checks
+            self._refuse(job.id, str(exc))
+            return
+        except Exception as exc:
+            # Whatever else one job's input can raise (such as MLX refusing its seed) is that
+            # job's failure, never the batching loop's.
+            log.exception("job could not be admitted", extra={"job_id": job.id})
+            self._refuse(job.id, f"could not start the job: {type(exc).__name__}: {exc}")
             return
         self.active[job.id] = ActiveJob(started, command.soft_deadline, command.deadline)
         self._observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
@@ -396,10 +437,14 @@ class Runner:
         self.step_s = time.monotonic() - started
         tokens: list[tuple[str, TokenEvent]] = []
         finished: list[tuple[str, FinishReason]] = []
+        failed: list[tuple[str, str]] = []
         now = utcnow()
         for delta in deltas:
             job = self.active.get(delta.job_id)
             if job is None:
+                continue
+            if delta.error is not None:  # the engine took the job out: its step failed
+                failed.append((delta.job_id, delta.error))
                 continue
             if job.record.first_token_at is None:
                 job.record.first_token_at = now
@@ -417,6 +462,8 @@ class Runner:
         self.unsent_tokens.extend(tokens)
         for job_id, reason in finished:
             self._end(job_id, "succeeded", reason, in_engine=False)
+        for job_id, error in failed:
+            self._end(job_id, "failed", None, error, in_engine=False)
         self._record_progress(progressed=bool(deltas))
         self._flush()
 

@@ -27,6 +27,12 @@ TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cance
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
 MAX_STOP_STRINGS = 4
+# mx.random.key takes an unsigned 64-bit seed; a larger one raises TypeError in the runner.
+SEED_LIMIT = 1 << 64
+# Every chat template marks each message (its role at least) with one token or more, so a
+# request with more messages than the prompt token cap is over it, whatever the tokenizer.
+MIN_TOKENS_PER_MESSAGE = 1
+SUMMARY_TEXT_CHARS = 256
 
 
 def utcnow() -> datetime:
@@ -56,9 +62,11 @@ class RunnerStatus(enum.StrEnum):
 
 
 class WireModel(BaseModel):
-    """Strict about unknown fields, so a typo in a request is an error, not a silent default."""
+    """Strict, so a typo or a wrong type in a request is an error naming the field, never a
+    silent default or a coercion ("5" or 5.0 as an int, "yes" as a bool); every float finite
+    (Python's JSON parser takes NaN, Infinity and 1e999)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ChatMessage(WireModel):
@@ -77,16 +85,26 @@ def _within_max_tokens_cap(value: int, info: ValidationInfo) -> int:
 MaxTokens = Annotated[int, Field(ge=1), AfterValidator(_within_max_tokens_cap)]
 
 
+def _within_stop_chars_cap(value: str, info: ValidationInfo) -> str:
+    # The runner looks for every stop string after every token: its length is CPU per token.
+    cap = (info.context or {}).get("max_stop_chars")
+    if cap is not None and len(value) > cap:
+        raise ValueError(f"is {len(value)} characters; at most {cap} (EXO_MAX_STOP_CHARS)")
+    return value
+
+
+StopString = Annotated[str, Field(min_length=1), AfterValidator(_within_stop_chars_cap)]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+
+
 class SamplingParams(WireModel):
     """What the runner needs to generate for one job."""
 
     max_tokens: MaxTokens = 256
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0)
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=list, max_length=MAX_STOP_STRINGS
-    )
+    seed: Seed | None = None
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
 
 
@@ -122,16 +140,26 @@ class JobRequest(SamplingParams):
 
     @field_validator("prompt", "messages")
     @classmethod
-    def _prompt_within_cap(
+    def _prompt_within_caps(
         cls, value: str | list[ChatMessage] | None, info: ValidationInfo
     ) -> str | list[ChatMessage] | None:
-        # Like max_tokens: the cap is configuration (EXO_MAX_PROMPT_CHARS), passed as context.
-        cap = (info.context or {}).get("max_prompt_chars")
-        if cap is None or value is None:
+        # Like max_tokens: the caps are configuration (EXO_MAX_PROMPT_CHARS and
+        # EXO_MAX_PROMPT_TOKENS), passed as context.
+        caps = info.context or {}
+        if value is None:
             return value
         chars = len(value) if isinstance(value, str) else sum(len(m.content) for m in value)
-        if chars > cap:
+        cap = caps.get("max_prompt_chars")
+        if cap is not None and chars > cap:
             raise ValueError(f"is {chars} characters; at most {cap} (EXO_MAX_PROMPT_CHARS)")
+        # Exact only where the tokenizer is (the runner); here what is certainly over.
+        cap = caps.get("max_prompt_tokens")
+        tokens = 0 if isinstance(value, str) else len(value) * MIN_TOKENS_PER_MESSAGE
+        if cap is not None and tokens > cap:
+            raise ValueError(
+                f"is at least {tokens} tokens after the chat template ({len(value)} messages); "
+                f"at most {cap} (EXO_MAX_PROMPT_TOKENS)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -218,6 +246,31 @@ class JobRecord(BaseModel):
                 "error": error,
             }
         )
+
+
+class JobOptions(SamplingParams):
+    """What a job asked for but its prompt or messages (JobRequest's other fields)."""
+
+    model: str | None = None
+    host: str | None = None
+    priority: Priority = "normal"
+    timeout_s: float | None = None
+
+
+class JobSummary(JobRecord):
+    """A job without its prompt or messages, its output text cut to SUMMARY_TEXT_CHARS: what
+    the job list and a submission answer, so neither sends megabytes back (GET /v1/jobs/<id>
+    has it all)."""
+
+    request: JobOptions  # type: ignore[assignment]  # a summary's request has no prompt
+
+    @classmethod
+    def of(cls, job: JobRecord) -> JobSummary:
+        options = JobOptions.model_construct(
+            **job.request.model_dump(exclude={"prompt", "messages"})
+        )
+        output = job.output.model_copy(update={"text": job.output.text[:SUMMARY_TEXT_CHARS]})
+        return cls.model_construct(**(dict(job) | {"request": options, "output": output}))
 
 
 def _ms(delta: timedelta) -> float:

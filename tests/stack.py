@@ -108,10 +108,18 @@ class RedisServer:
     process: subprocess.Popen[bytes]
 
 
-def start_redis(processes: Processes, data_dir: Path, port: int | None = None) -> RedisServer:
+DEFAULT_MAXMEMORY_MB: int = Settings.model_fields["redis_maxmemory_mb"].default
+
+
+def start_redis(
+    processes: Processes,
+    data_dir: Path,
+    port: int | None = None,
+    maxmemory_mb: int = DEFAULT_MAXMEMORY_MB,
+) -> RedisServer:
     """A real redis-server as the stack runs it; again on `port` and `data_dir` to restart it."""
     port = port or free_port()
-    argv = redis_server_argv(port, data_dir)
+    argv = redis_server_argv(port, data_dir, maxmemory_mb)
     proc = processes.start(argv, dict(os.environ), data_dir / "redis.log")
     url = f"redis://127.0.0.1:{port}/0"
     wait_for_redis(url, timeout_s=10)

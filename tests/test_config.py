@@ -59,11 +59,12 @@ def test_model_slug(model: str, slug: str) -> None:
     assert model_slug(model) == slug
 
 
-def test_embedded_redis_binds_loopback_with_aof(tmp_path: Path) -> None:
-    argv = redis_server_argv(6390, tmp_path / "redis")
+def test_embedded_redis_binds_loopback_with_aof_and_a_memory_cap(tmp_path: Path) -> None:
+    argv = redis_server_argv(6390, tmp_path / "redis", 64)
     options = dict(zip(argv[1::2], argv[2::2], strict=False))
     assert options["--bind"] == "127.0.0.1" and options["--appendonly"] == "yes"
     assert options["--dir"] == str((tmp_path / "redis").resolve())
+    assert options["--maxmemory"] == "64mb" and options["--maxmemory-policy"] == "noeviction"
 
 
 def test_a_missing_redis_server_says_how_to_install_one(

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_sampler
 
+from exo_tasks import engine as engine_module
 from exo_tasks.engine import BatchEngine, TokenDelta
 from exo_tasks.types import ChatMessage, SamplingParams
 
@@ -252,3 +254,79 @@ def test_lanes_share_the_batch_limit_and_never_outnumber_it(loaded: tuple[Any, A
         assert one_at_a_time.lanes == 1
     finally:
         one_at_a_time.close()
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def raising_after(calls: int, sampler: Any) -> Any:
+    """A sampler that works `calls` times, then raises: a fault only one job brings."""
+    count = 0
+
+    def sample(logprobs: Any) -> Any:
+        nonlocal count
+        count += 1
+        if count > calls:
+            raise Boom("bad sampler")
+        return sampler(logprobs)
+
+    return sample
+
+
+@pytest.mark.parametrize("calls", [0, 5], ids=["in_prefill", "mid_decode"])
+def test_a_jobs_own_sampler_failing_fails_that_job_alone(
+    loaded: tuple[Any, Any],
+    engine: BatchEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    calls: int,
+) -> None:
+    seeded = engine_module._seeded_sampler
+    monkeypatch.setattr(
+        engine_module,
+        "_seeded_sampler",
+        lambda t, p, seed: raising_after(calls, seeded(t, p, seed)) if seed == 13 else None,
+    )
+    run = Run(engine)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        run.add(str(i), prompt, max_tokens=20)
+    run.add("bad", "Hello", max_tokens=20, temperature=0.7, seed=13)
+    run.until_done()
+
+    assert run.last("bad").error == "sampling failed: Boom('bad sampler')"
+    assert run.last("bad").completion_tokens <= calls + 1
+    for i, prompt in enumerate(PROMPTS[:3]):
+        assert run.text(str(i)) == alone(loaded, prompt, 20)[0]
+        assert run.last(str(i)).finish_reason == "length"
+
+
+def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        engine_module,
+        "make_sampler",
+        lambda t, top_p: raising_after(2, make_sampler(t, top_p=top_p)),
+    )
+    engine = BatchEngine(*loaded, lanes=2)
+    try:
+        run = Run(engine)
+        for i, prompt in enumerate(PROMPTS[:4]):  # fill lane 1 to LANE_MIN_JOBS ...
+            run.add(str(i), prompt, max_tokens=20)
+        run.add("bad", "Hello", max_tokens=20, temperature=0.5)  # ... so this opens lane 2
+        assert engine.lane_jobs == [4, 1]
+        run.until_done()
+
+        assert run.last("bad").error == "generation failed: Boom('bad sampler')"
+        for i, prompt in enumerate(PROMPTS[:4]):
+            assert run.text(str(i)) == alone(loaded, prompt, 20)[0]
+        # The failed lane was made again, empty, and serves the next jobs.
+        assert engine.lane_jobs == [0, 0]
+        for i, prompt in enumerate(PROMPTS[:5]):
+            run.add(f"after-{i}", prompt, max_tokens=10)
+        assert engine.lane_jobs == [4, 1]
+        run.until_done()
+        for i, prompt in enumerate(PROMPTS[:5]):
+            assert run.text(f"after-{i}") == alone(loaded, prompt, 10)[0]
+    finally:
+        engine.close()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from exo_tasks.types import JobRequest
+from exo_tasks.types import SUMMARY_TEXT_CHARS, JobOptions, JobRecord, JobRequest, JobSummary
 from tests.conftest import Stack
 
 BAD_BODIES: list[tuple[dict[str, Any], str]] = [
@@ -100,3 +100,15 @@ def test_pinning_to_a_host_that_does_not_serve_the_model_is_404(stack: Stack) ->
     assert response.status_code == 404
     assert response.json()["error"]["details"]["field"] == "host"
     assert "elsewhere" in response.json()["error"]["message"]
+
+
+def test_a_summary_keeps_every_request_field_but_the_prompt() -> None:
+    """JobOptions restates JobRequest's fields for summaries: a field added to one only would
+    go missing from the job list."""
+    assert set(JobOptions.model_fields) == set(JobRequest.model_fields) - {"prompt", "messages"}
+    job = JobRecord(id="j", model="tiny", request=JobRequest(prompt="p" * 1000, stop=["x"]))
+    job.output.text = "t" * 1000
+    summary = JobSummary.of(job).model_dump(mode="json")
+    assert "prompt" not in summary["request"] and summary["request"]["stop"] == ["x"]
+    assert summary["output"]["text"] == "t" * SUMMARY_TEXT_CHARS
+    assert JobRecord.model_validate(job.model_dump()) == job  # the record itself is whole

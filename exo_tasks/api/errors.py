@@ -10,7 +10,8 @@ from flask import Flask, Response, current_app, jsonify, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from exo_tasks.errors import ExoError
+from exo_tasks.errors import ExoError, StorageFull
+from exo_tasks.store import is_out_of_memory
 
 log = logging.getLogger("exo_tasks.api")
 # These routes answer errors in OpenAI's shape, so that OpenAI clients can read them.
@@ -97,6 +98,13 @@ def handle(exc: Exception) -> Response:
         # What the exception says besides its body, such as `Allow` on a 405 (RFC 9110).
         response.headers.update({k: v for k, v in exc.get_headers() if k != "Content-Type"})
         return response
+    if is_out_of_memory(exc):
+        log.error("redis is full: %s", exc)
+        full = StorageFull(
+            "the job store (Redis) is full and refuses writes; retry later "
+            "(EXO_REDIS_MAXMEMORY_MB, EXO_JOB_TTL_S)"
+        )
+        return error_response(full.status, full.type, full.message)
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         log.error("redis unreachable: %s", exc)
         return error_response(503, "unavailable", "the broker (Redis) is unreachable; retry soon")

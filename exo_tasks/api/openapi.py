@@ -31,6 +31,7 @@ from exo_tasks.types import (
     JobRecord,
     JobRequest,
     JobStatus,
+    JobSummary,
     ReadinessReply,
     RunnerDetail,
     RunnerLoadBody,
@@ -115,7 +116,7 @@ def _command(
         {202: Reply(reply)},
         body=body,
         body_required=body_required,
-        errors=(*errors, 413, 422),
+        errors=(*errors, 400, 413, 422),
     )
 
 
@@ -147,19 +148,20 @@ ROUTES: tuple[Op, ...] = (
         "post",
         "/v1/jobs",
         "Enqueue a job",
-        {202: Reply(JobRecord, description="Queued")},
+        {202: Reply(JobSummary, description="Queued")},
         body=JobRequest,
-        errors=(404, 413, 422, 429, 503),
+        errors=(400, 404, 413, 422, 429, 503),
     ),
     Op(
         "get",
         "/v1/jobs",
-        "Recent jobs, newest first",
-        {200: Reply(JobRecord, many=True)},
-        errors=(422,),
+        "Recent jobs, newest first; a full page links to the next (Link, rel=next)",
+        {200: Reply(JobSummary, many=True)},
+        errors=(400, 404, 422),
         query={
             "status": _status,
             "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
+            "before": {"type": "string", "description": "The last job id of the previous page"},
         },
     ),
     Op("get", "/v1/jobs/{job_id}", "A job", {200: Reply(JobRecord)}, errors=(404,)),
@@ -168,8 +170,8 @@ ROUTES: tuple[Op, ...] = (
         "/v1/jobs/{job_id}/stream",
         "A job's tokens as server-sent events; Last-Event-ID resumes",
         {200: Reply(media=SSE, description="event: token … then event: done (or error)")},
-        errors=(404,),
-        query={"last_event_id": {"type": "string"}},
+        errors=(400, 404),
+        query={"last_event_id": {"type": "string", "pattern": "^[0-9]{1,20}(-[0-9]{1,20})?$"}},
     ),
     Op(
         "post",
@@ -287,6 +289,8 @@ CAPS = {
     "max_tokens": ("maximum", "integer", "max_tokens"),
     "max_completion_tokens": ("maximum", "integer", "max_tokens"),
     "prompt": ("maxLength", "string", "max_prompt_chars"),
+    # Each message costs a token at least (exo_tasks.types.MIN_TOKENS_PER_MESSAGE).
+    "messages": ("maxItems", "array", "max_prompt_tokens"),
 }
 
 
