@@ -11,7 +11,7 @@ from exo_tasks import lifecycle, limits
 from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.errors import Conflict, NotFound
 from exo_tasks.store import Store
-from exo_tasks.types import CancelJob, JobRecord, host_queue, model_queue
+from exo_tasks.types import CancelJob, JobRecord, JobStatus, host_queue, model_queue
 
 
 def queue_of(job: JobRecord) -> str:
@@ -53,7 +53,7 @@ def cancel(store: Store, job_id: str) -> JobRecord:
         # First, so that an attempt that ends by requeue from now on ends cancelled instead.
         store.request_cancel(job_id)
         job = get_or_404(store, job_id)
-    while job.status == "queued":
+    while job.status == JobStatus.QUEUED:
         move = lifecycle.cancel_queued(job)
         if store.apply(move):
             return move.record

@@ -1,6 +1,6 @@
-"""The job state machine: which status a job may move from, and the record and event each move
-writes. Pure (no Redis, no MLX): the store executes a `Move` with one compare-and-set, so the
-first of the runner, the task, the recovery loop or a cancel to move a job wins.
+"""The job state machine: which status a job may move to from which, and the record and event
+each move writes. Pure (no Redis, no MLX): the store executes a `Move` with one compare-and-set,
+so the first of the runner, the task, the recovery loop or a cancel to move a job wins.
 
     queued ──hand-over──▶ running ──▶ succeeded | failed | cancelled | timed_out
       ▲                      │
@@ -10,7 +10,9 @@ first of the runner, the task, the recovery loop or a cancel to move a job wins.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import Literal
 
 from exo_tasks.types import (
     FinishReason,
@@ -18,9 +20,30 @@ from exo_tasks.types import (
     JobRecord,
     JobStatus,
     RequeuedEvent,
+    utcnow,
 )
 
-ACTIVE: tuple[JobStatus, ...] = ("queued", "running")
+QUEUED, RUNNING = JobStatus.QUEUED, JobStatus.RUNNING
+ENDINGS = frozenset(s for s in JobStatus if s.is_terminal)
+
+# Every move a job may make: status → the statuses it may move to. An ending has none.
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    # Handed over; ended before any runner had it; requeued again (attempts + 1).
+    QUEUED: frozenset({RUNNING, QUEUED, *ENDINGS}),
+    # Ended by its runner, its task, a cancel or the recovery loop; requeued.
+    RUNNING: frozenset({QUEUED, *ENDINGS}),
+    **{ending: frozenset() for ending in ENDINGS},
+}
+ACTIVE: tuple[JobStatus, ...] = tuple(s for s, to in TRANSITIONS.items() if to)
+
+
+def may_move(current: JobStatus, to: JobStatus) -> bool:
+    return to in TRANSITIONS[current]
+
+
+def allowed_from(to: JobStatus) -> tuple[JobStatus, ...]:
+    """The statuses from which a job may move to `to`, in the table's order."""
+    return tuple(s for s, targets in TRANSITIONS.items() if to in targets)
 
 
 @dataclass(frozen=True)
@@ -45,6 +68,7 @@ def end(
     error: str | None = None,
 ) -> Move:
     """Any active job to a terminal status."""
+    assert status in ENDINGS, status
     final = job.finished(
         status,
         text=text,
@@ -52,21 +76,31 @@ def end(
         completion_tokens=completion_tokens,
         error=error,
     )
-    return Move(final, ACTIVE)
+    return Move(final, allowed_from(status))
+
+
+def ended(job: JobRecord) -> Move:
+    """A record its runner already ended (`JobRecord.finished`), written if still active."""
+    return Move(job, allowed_from(job.status))
 
 
 def cancel_queued(job: JobRecord) -> Move:
     """A job no runner has taken: it ends at once and never runs."""
-    final = job.finished("cancelled", text="", finish_reason="cancelled", completion_tokens=0)
-    return Move(final, ("queued",))
+    final = job.finished(
+        JobStatus.CANCELLED, text="", finish_reason="cancelled", completion_tokens=0
+    )
+    return Move(final, (QUEUED,))
 
 
 def cancel_orphaned(job: JobRecord, text: str, completion_tokens: int) -> Move:
     """A running job whose worker is gone: nobody else can end it, so the cancel does."""
     final = job.finished(
-        "cancelled", text=text, finish_reason="cancelled", completion_tokens=completion_tokens
+        JobStatus.CANCELLED,
+        text=text,
+        finish_reason="cancelled",
+        completion_tokens=completion_tokens,
     )
-    return Move(final, ("running",), owner=job.owner)
+    return Move(final, (RUNNING,), owner=job.owner)
 
 
 def requeue(job: JobRecord, *, only_from_owner: bool = False) -> Move:
@@ -83,7 +117,62 @@ def requeue(job: JobRecord, *, only_from_owner: bool = False) -> Move:
     )
     return Move(
         fresh,
-        ACTIVE,
+        allowed_from(QUEUED),
         RequeuedEvent(attempt=attempt),
         owner=job.owner if only_from_owner else None,
     )
+
+
+# --- the hand-over, which the store executes with the runner's inbox in one script ---
+
+HAND_OVER_FROM: tuple[JobStatus, ...] = (QUEUED,)
+
+
+def start(job: JobRecord, *, host: str, runner_id: str, owner: str) -> JobRecord:
+    """The job as its task hands it to a runner: running there, held by `owner`."""
+    assert may_move(job.status, RUNNING), job.status
+    update = {
+        "status": RUNNING,
+        "started_at": utcnow(),
+        "host": host,
+        "runner_id": runner_id,
+        "owner": owner,
+    }
+    return job.model_copy(update=update)
+
+
+# --- what a delivered `inference` message finds ---
+
+
+class Delivery(enum.Enum):
+    """What a task does with the job its message names."""
+
+    UNKNOWN = "unknown"  # expired, or never recorded
+    ENDED = "ended"  # cancelled while queued, or finished by an earlier delivery
+    REDELIVERED = "redelivered"  # running: a duplicate, or its worker died
+    START = "start"
+
+
+def on_delivery(job: JobRecord | None) -> Delivery:
+    if job is None:
+        return Delivery.UNKNOWN
+    if job.is_terminal:
+        return Delivery.ENDED
+    if job.status == RUNNING:
+        return Delivery.REDELIVERED
+    return Delivery.START
+
+
+def is_first_attempt(job: JobRecord) -> bool:
+    """A queued job never handed over: no ending and no events in its streams yet."""
+    return job.status == QUEUED and job.attempts == 0
+
+
+def ending_event(job: JobRecord) -> Literal["done", "error"]:
+    """The last event of an ended job's stream: `error` for a failure."""
+    return "error" if job.status == JobStatus.FAILED else "done"
+
+
+def cancel_status(reason: Literal["cancelled", "time_limit"]) -> JobStatus:
+    """How a job a runner is told to drop ends: a time limit is `timed_out`."""
+    return JobStatus.TIMED_OUT if reason == "time_limit" else JobStatus.CANCELLED

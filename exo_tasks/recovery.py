@@ -29,7 +29,7 @@ import redis
 
 from exo_tasks.broker import Broker, Messages
 from exo_tasks.store import JobWhereabouts, Store
-from exo_tasks.types import HostState, JobRecord, RunnerState, RunnerStatus, utcnow
+from exo_tasks.types import HostState, JobRecord, JobStatus, RunnerState, RunnerStatus, utcnow
 
 log = logging.getLogger("exo_tasks.recovery")
 HEARTBEAT_INTERVAL_S = 2.0
@@ -144,7 +144,7 @@ class Recovery:
                 extra={"incarnation": previous.incarnation, "messages": len(previous.held)},
             )
         for job in self.store.active_jobs():
-            if job.status == "running" and job.owner and host_of(job.owner) == self.host:
+            if job.status == JobStatus.RUNNING and job.owner and host_of(job.owner) == self.host:
                 self._requeue(job, "its worker on this host was restarted")
 
     def sweep(self) -> None:
@@ -155,7 +155,7 @@ class Recovery:
         self._restore_orphaned_messages(messages, {tag for h in hosts for tag in h.held}, now)
         live = {h.incarnation for h in hosts}
         for job in active:
-            if job.status == "running" and job.owner and job.owner not in live:
+            if job.status == JobStatus.RUNNING and job.owner and job.owner not in live:
                 self._requeue(job, "its worker is gone (no heartbeat)")
         self._resend_lost(active, messages, now)
         self._fail_runners_of_gone_hosts({h.name for h in hosts}, runners)
@@ -181,21 +181,21 @@ class Recovery:
     def _resend_lost(self, active: list[JobWhereabouts], messages: Messages, now: float) -> None:
         """Queued jobs whose message is in no queue and held by no worker, seen so twice
         LOST_GRACE_S apart, get a new message (one sweep at a time: the lease)."""
-        missing = {j.id for j in active if j.status == "queued" and not messages.has_task(j.id)}
+        queued = [j for j in active if j.status == JobStatus.QUEUED]
+        missing = {j.id for j in queued if not messages.has_task(j.id)}
         for job_id in set(self._missing_since) - missing:
             del self._missing_since[job_id]
         for job_id in missing:
             since = self._missing_since.setdefault(job_id, now)
             job = self.store.get_job(job_id) if now - since >= LOST_GRACE_S else None
-            if job is not None and job.status == "queued":
+            if job is not None and job.status == JobStatus.QUEUED:
                 del self._missing_since[job_id]
                 self.resend(job)
                 log.warning("lost message sent again", extra={"job_id": job_id})
 
     def _fail_runners_of_gone_hosts(self, live_hosts: set[str], runners: list[RunnerState]) -> None:
         for runner in runners:
-            down = runner.status.is_final and runner.next_restart_at is None
-            if runner.host in live_hosts or down:
+            if runner.host in live_hosts or runner.is_down:
                 continue
             error = f"host exo@{runner.host} gone (no heartbeat)"
             update = {

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel
 
-from exo_tasks import metrics
+from exo_tasks import lifecycle, metrics
 from exo_tasks.logs import configure_logging
 from exo_tasks.store import Store, UnreadableCommand, is_out_of_memory
 from exo_tasks.types import (
@@ -213,7 +213,7 @@ class Runner:
             self.serve()
         except Exception as exc:
             log.exception("batching loop crashed")
-            self._end_all("failed", None, f"runner {self.spec.runner_id} crashed: {exc}")
+            self._end_all(JobStatus.FAILED, None, f"runner {self.spec.runner_id} crashed: {exc}")
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 self._flush()
             self.publish(RunnerStatus.FAILED, error=f"runner crashed: {exc}")
@@ -367,8 +367,7 @@ class Runner:
         if isinstance(command, SubmitJob):
             self._admit(command)
         elif isinstance(command, CancelJob):
-            status: JobStatus = "timed_out" if command.reason == "time_limit" else "cancelled"
-            self._end(command.job_id, status, command.reason)
+            self._end(command.job_id, lifecycle.cancel_status(command.reason), command.reason)
         elif isinstance(command, UnreadableCommand):
             self._unreadable(command)
         else:
@@ -479,20 +478,21 @@ class Runner:
     def _end(
         self,
         job_id: str,
-        status: JobStatus,
+        status: JobStatus | str,
         reason: FinishReason | None,
         error: str | None = None,
         *,
         in_engine: bool = True,
     ) -> None:
-        """Take a job out of the batch and record how it ended (first writer wins)."""
+        """Take a job out of the batch and record how it ended (first writer wins). `status`:
+        an ending (lifecycle.ENDINGS), by member or value."""
         job = self.active.pop(job_id, None)
         if job is None:
             return
         if in_engine:
             self.engine.remove(job_id)
         final = job.record.finished(
-            status,
+            JobStatus(status),
             text="".join(job.text),
             finish_reason=reason,
             completion_tokens=job.completion_tokens,
@@ -527,9 +527,9 @@ class Runner:
         now = time.time()
         for job_id, job in list(self.active.items()):
             if now > job.deadline:
-                self._end(job_id, "failed", "time_limit", "hard time limit exceeded")
+                self._end(job_id, JobStatus.FAILED, "time_limit", "hard time limit exceeded")
             elif now > job.soft_deadline:
-                self._end(job_id, "timed_out", "time_limit")
+                self._end(job_id, JobStatus.TIMED_OUT, "time_limit")
 
     # --- stopping ---
 
@@ -556,7 +556,7 @@ class Runner:
             self._requeue_all()
         else:
             self._end_all(
-                "failed",
+                JobStatus.FAILED,
                 "shutdown",
                 f"runner {self.spec.runner_id} shut down before the job finished",
             )

@@ -85,12 +85,18 @@ return depth
 """
 
 # KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
-# id, the submit command, the worker incarnation that now owns it, the runner's id. A queued
-# job is marked running, counted as the runner's and put in its inbox at once; a job no longer
-# queued (cancelled meanwhile) is left alone.
+# id, the submit command, the worker incarnation that now owns it, the runner's id, the new
+# status, then the statuses it may move from (exo_tasks.lifecycle). A queued job is marked
+# running, counted as the runner's and put in its inbox at once; a job no longer queued
+# (cancelled meanwhile) is left alone.
 _HAND_OVER = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'record', ARGV[1])
+local current = redis.call('HGET', KEYS[1], 'status')
+local allowed = false
+for i = 7, #ARGV do
+  if current == ARGV[i] then allowed = true end
+end
+if not allowed then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[6], 'record', ARGV[1])
 redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'runner', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('RPUSH', KEYS[3], ARGV[3])
@@ -128,7 +134,7 @@ class JobWhereabouts:
     incarnation that owns it and the runner that has it."""
 
     id: str
-    status: str
+    status: JobStatus
     queue: str
     owner: str | None
     runner_id: str | None
@@ -248,8 +254,8 @@ class Store:
         trip. Returns the messages found in the queue: the job was created if fewer."""
         keys = [job_key(job.id), f"{PREFIX}:jobs", ACTIVE_JOBS, *queue_lists(queue)]
         created = job.created_at.timestamp()
-        args = [max_queued, job.status, job.model_dump_json(), created, job.id, self.job_ttl_s]
-        args.append(queue)
+        args: list[str | int | float] = [max_queued, job.status, job.model_dump_json(), created]
+        args += [job.id, self.job_ttl_s, queue]
         return int(self._create_unless_full(keys=keys, args=args))
 
     def get_job(self, job_id: str) -> JobRecord | None:
@@ -319,7 +325,7 @@ class Store:
         job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
-            event = DoneEvent(event="error" if job.status == "failed" else "done", job=job)
+            event = DoneEvent(event=lifecycle.ending_event(job), job=job)
         if event is not None:
             event_name, event_data = event.event, event.model_dump_json()
         args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data]
@@ -347,7 +353,7 @@ class Store:
         for job in endings:
             # EVAL, not the registered script's EVALSHA: a pipeline would first ask whether the
             # script is loaded, one more round trip each time.
-            args = self._transition_args(lifecycle.Move(job, lifecycle.ACTIVE))
+            args = self._transition_args(lifecycle.ended(job))
             pipe.eval(_TRANSITION, 4, *_transition_keys(job.id), *args)
             pipe.srem(f"{runner_key(runner_id)}:jobs", job.id)
         replies = pipe.execute()
@@ -385,7 +391,7 @@ class Store:
         return self.apply(move)
 
     def fail_job(self, job_id: str, error: str) -> bool:
-        return self.end_job(job_id, "failed", error=error)
+        return self.end_job(job_id, JobStatus.FAILED, error=error)
 
     def requeue_job(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
         """Put an unfinished job back to `queued` for another attempt (its worker stopped or
@@ -415,7 +421,7 @@ class Store:
         for job_id in ids:
             pipe.hmget(job_key(job_id), "status", "queue", "owner", "runner")
         return [
-            JobWhereabouts(job_id, status, queue or "", owner or None, runner or None)
+            JobWhereabouts(job_id, JobStatus(status), queue or "", owner or None, runner or None)
             for job_id, (status, queue, owner, runner) in zip(ids, pipe.execute(), strict=True)
             if status in lifecycle.ACTIVE
         ]
@@ -518,6 +524,8 @@ class Store:
             command.model_dump_json(),
             job.owner or "",
             runner_id,
+            job.status,
+            *lifecycle.HAND_OVER_FROM,
         ]
         return bool(self._hand_over(keys=keys, args=args))
 

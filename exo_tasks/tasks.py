@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -15,7 +16,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
 from kombu.exceptions import KombuError
 
-from exo_tasks import limits
+from exo_tasks import lifecycle, limits
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
     LOAD_RUNNER_TASK,
@@ -28,6 +29,7 @@ from exo_tasks.supervisor import KILL_WAIT_S, TERM_WAIT_S
 from exo_tasks.types import (
     CancelJob,
     JobRecord,
+    JobStatus,
     RequeuedEvent,
     RunnerState,
     RunnerStatus,
@@ -36,7 +38,6 @@ from exo_tasks.types import (
     StopRunnerRequest,
     SubmitJob,
     runner_id_for,
-    utcnow,
 )
 
 log = logging.getLogger("exo_tasks.tasks")
@@ -89,74 +90,123 @@ def _app(task: Task[Any, Any]) -> ExoCelery:
     return cast(ExoCelery, task.app)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A delivered job to run: its record and its runner's state, as read together."""
+
+    job: JobRecord
+    runner: RunnerState | None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A delivered job not to run (unknown, ended, or running on a live worker)."""
+
+    job: JobRecord | None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A job handed to `runner`: its ending is the first after stream position `after`, its
+    tokens the events after the first `events_before`."""
+
+    runner: RunnerState
+    after: str
+    events_before: int
+
+
 # No STARTED state in the result backend: the job record already says `running`, and the
 # write (a SET and a PUBLISH) would sit between every job's delivery and its hand-over.
 @shared_task(name=INFERENCE_TASK, bind=True, base=InferenceTask, track_started=False)
 def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
-    """Run one job on this host's runner for `model`; the job record holds the result."""
+    """Run one job on this host's runner for `model`: prepare, hand over, follow. The job
+    record holds the result."""
     app = _app(self)
-    store, settings = app.store, app.settings
-    runner_id = runner_id_for(model, settings.hostname)
+    store = app.store
+    runner_id = runner_id_for(model, app.settings.hostname)
     extra = {"job_id": job_id, "runner": runner_id}
-    runner: RunnerState | None = None  # the runner the job was handed to
+    attempt: Attempt | None = None
     try:
-        try:
-            job, state = store.job_and_runner(job_id, runner_id)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
-        if job is None:
-            log.warning("job unknown or expired; skipped", extra={"job_id": job_id})
-            return _summary(job_id, None)
-        if job.is_terminal:  # cancelled while queued, or finished by an earlier delivery
-            return _summary(job_id, job)
-        if job.status == "running":  # delivered again: a duplicate, or its worker died
-            if store.owner_is_live(job):
-                log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
-                return _summary(job_id, job)
-            job = store.requeue_job(job_id, only_from=job.owner) or job
-        state = _await_runner(
-            store, runner_id, state, settings.runner_start_timeout_s, pinned=job.request.host
-        )
-        # A first attempt has no ending and no events yet: no round trip to find where it starts.
-        first = job.status == "queued" and job.attempts == 0
-        after, events_before = ("0-0", 0) if first else store.attempt_start(job_id)
-        started = job.model_copy(
-            update={
-                "status": "running",
-                "started_at": utcnow(),
-                "host": settings.hostname,
-                "runner_id": runner_id,
-                "owner": app.incarnation,
-            }
-        )
-        # The limits the message carries (Celery enforces those), else the job's own.
-        own = limits.job_limits(job.request.timeout_s, settings)
-        hard_limit, soft_limit = self.request.timelimit or (None, None)
-        job_limits = limits.JobLimits(
-            soft_s=soft_limit or own.soft_s, hard_s=hard_limit or own.hard_s
-        )
-        soft_deadline, deadline = job_limits.deadlines(time.time())
-        command = SubmitJob(job=started, soft_deadline=soft_deadline, deadline=deadline)
-        if not store.hand_over(runner_id, command):
+        prepared = _prepare(store, job_id, runner_id)
+        if isinstance(prepared, Skipped):
+            return _summary(job_id, prepared.job)
+        attempt = _hand_over(self, prepared, runner_id)
+        if attempt is None:
             return _summary(job_id, store.get_job(job_id))  # cancelled meanwhile
-        runner = state
         log.info("job handed to runner", extra=extra)
-        progress = Progress(self, job.request.max_tokens, events_before)
-        return _summary(job_id, _follow(store, job_id, runner, after, progress=progress))
+        progress = Progress(self, prepared.job.request.max_tokens, attempt.events_before)
+        final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
+        return _summary(job_id, final)
     except SoftTimeLimitExceeded:
         store.drop_connections()  # the limit may have cut a round trip in half
         log.warning("soft time limit reached; ending the job", extra=extra)
-        if runner is None:  # not handed over yet: nothing ran
-            _time_out(store, job_id)
-            return _summary(job_id, store.get_job(job_id))
-        # Follow from where this attempt began: an ending written just before the limit counts.
-        store.send_to_runner(runner_id, CancelJob(job_id=job_id, reason="time_limit"))
-        until = time.monotonic() + CANCEL_ACK_S
-        return _summary(job_id, _follow(store, job_id, runner, after, until))
+        return _summary(job_id, _after_soft_limit(store, job_id, attempt))
     except ExoError as exc:
         store.fail_job(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
         raise
+
+
+def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
+    """Read the job and its runner; decide from the job's status whether this delivery runs
+    it. A running job whose worker is gone is requeued first (this delivery then runs it)."""
+    try:
+        job, state = store.job_and_runner(job_id, runner_id)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
+    delivery = lifecycle.on_delivery(job)
+    if job is None or delivery is lifecycle.Delivery.UNKNOWN:
+        log.warning("job unknown or expired; skipped", extra={"job_id": job_id})
+        return Skipped(None)
+    if delivery is lifecycle.Delivery.ENDED:
+        return Skipped(job)
+    if delivery is lifecycle.Delivery.REDELIVERED:
+        if store.owner_is_live(job):
+            extra = {"job_id": job_id, "runner": runner_id}
+            log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
+            return Skipped(job)
+        job = store.requeue_job(job_id, only_from=job.owner) or job
+    return Prepared(job, state)
+
+
+def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Attempt | None:
+    """Once the runner takes jobs, mark the job running there and put it in its inbox, with
+    its deadlines. None if the job was no longer queued (cancelled meanwhile)."""
+    app = _app(task)
+    store, settings, job = app.store, app.settings, prepared.job
+    runner = _await_runner(
+        store, runner_id, prepared.runner, settings.runner_start_timeout_s, pinned=job.request.host
+    )
+    # A first attempt has no ending and no events yet: no round trip to find where it starts.
+    first = lifecycle.is_first_attempt(job)
+    after, events_before = ("0-0", 0) if first else store.attempt_start(job.id)
+    started = lifecycle.start(
+        job, host=settings.hostname, runner_id=runner_id, owner=app.incarnation
+    )
+    soft_deadline, deadline = _limits(task, job).deadlines(time.time())
+    command = SubmitJob(job=started, soft_deadline=soft_deadline, deadline=deadline)
+    if not store.hand_over(runner_id, command):
+        return None
+    return Attempt(runner, after, events_before)
+
+
+def _limits(task: Task[Any, Any], job: JobRecord) -> limits.JobLimits:
+    """The limits the message carries (Celery enforces those), else the job's own."""
+    own = limits.job_limits(job.request.timeout_s, _app(task).settings)
+    hard_limit, soft_limit = task.request.timelimit or (None, None)
+    return limits.JobLimits(soft_s=soft_limit or own.soft_s, hard_s=hard_limit or own.hard_s)
+
+
+def _after_soft_limit(store: Store, job_id: str, attempt: Attempt | None) -> JobRecord | None:
+    """The soft limit: a job not handed over yet never ran and times out here; a handed-over
+    one is cancelled at its runner, and followed (bounded) from where its attempt began, so an
+    ending written just before the limit counts."""
+    if attempt is None:
+        _time_out(store, job_id)
+        return store.get_job(job_id)
+    store.send_to_runner(attempt.runner.id, CancelJob(job_id=job_id, reason="time_limit"))
+    until = time.monotonic() + CANCEL_ACK_S
+    return _follow(store, job_id, attempt.runner, attempt.after, until)
 
 
 def _await_runner(
@@ -167,16 +217,9 @@ def _await_runner(
     or a later load, will run it); one `pinned` to this host stays queued until the runner is
     loaded again or the job is cancelled."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        if state is not None and state.status.accepts_jobs:
-            return state
-        if state is not None and state.status == RunnerStatus.SHUTDOWN:
-            if pinned is not None:
-                # Only this host takes it: wait for the runner's load, without spinning.
-                time.sleep(PINNED_REQUEUE_PAUSE_S)
-            raise Reject(f"runner {runner_id} is shut down; requeued", requeue=True)
-        if state is not None and state.status.is_final and state.next_restart_at is None:
-            raise RunnerGone(f"runner {runner_id} is {state.status}: {state.error or 'stopped'}")
+    while state is None or not state.status.accepts_jobs:
+        if state is not None:
+            _refuse_if_stopped(runner_id, state, pinned)
         if time.monotonic() > deadline:
             raise RunnerGone(f"runner {runner_id} not ready after {timeout_s:.0f}s")
         time.sleep(0.1)
@@ -184,6 +227,17 @@ def _await_runner(
             state = store.get_runner(runner_id)
         except (redis.ConnectionError, redis.TimeoutError):
             state = None  # Redis is restarting: keep waiting, within the same bound
+    return state
+
+
+def _refuse_if_stopped(runner_id: str, state: RunnerState, pinned: str | None) -> None:
+    if state.status == RunnerStatus.SHUTDOWN:
+        if pinned is not None:
+            # Only this host takes it: wait for the runner's load, without spinning.
+            time.sleep(PINNED_REQUEUE_PAUSE_S)
+        raise Reject(f"runner {runner_id} is shut down; requeued", requeue=True)
+    if state.is_down:
+        raise RunnerGone(f"runner {runner_id} is {state.status}: {state.error or 'stopped'}")
 
 
 class Progress:
@@ -232,22 +286,29 @@ def _follow(
                 if isinstance(ending, RequeuedEvent):
                     raise Reject("runner stopped before the job finished; requeued", requeue=True)
                 return ending.job
-            current, events = store.runner_and_events(runner.id, job_id)
-            if progress is not None:
-                progress.update(events)
-            # Each of these appends an ending, which the next read returns.
-            if current is None or current.pid != runner.pid or current.status.is_final:
-                store.fail_job(job_id, f"runner {runner.id} stopped while running the job")
-            elif until is not None and time.monotonic() > until:
-                _time_out(store, job_id)
+            _check_on(store, job_id, runner, until, progress)
         except (redis.ConnectionError, redis.TimeoutError):
             time.sleep(REDIS_RETRY_S)  # Redis is restarting; the runner keeps what it owes
+
+
+def _check_on(
+    store: Store, job_id: str, runner: RunnerState, until: float | None, progress: Progress | None
+) -> None:
+    """Between two waits: report progress; end the job if its runner is gone or `until` has
+    passed. Each ending is appended to the job's endings, which the next wait returns."""
+    current, events = store.runner_and_events(runner.id, job_id)
+    if progress is not None:
+        progress.update(events)
+    if current is None or current.pid != runner.pid or current.status.is_final:
+        store.fail_job(job_id, f"runner {runner.id} stopped while running the job")
+    elif until is not None and time.monotonic() > until:
+        _time_out(store, job_id)
 
 
 def _time_out(store: Store, job_id: str) -> None:
     """The runner did not end the job after the soft limit, or never had it: record it as
     timed out ourselves."""
-    store.end_job(job_id, "timed_out", finish_reason="time_limit")
+    store.end_job(job_id, JobStatus.TIMED_OUT, finish_reason="time_limit")
 
 
 def _summary(job_id: str, job: JobRecord | None) -> dict[str, Any]:

@@ -22,8 +22,6 @@ from pydantic import (
 
 from exo_tasks import limits
 
-JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "timed_out"]
-TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
 MAX_STOP_STRINGS = 4
@@ -37,6 +35,25 @@ SUMMARY_TEXT_CHARS = 256
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class JobStatus(enum.StrEnum):
+    """A job's status on the wire and in Redis. Which status may follow which is
+    exo_tasks.lifecycle's transitions table."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+TERMINAL_JOB_STATUSES: frozenset[JobStatus] = frozenset(s for s in JobStatus if s.is_terminal)
 
 
 class RunnerStatus(enum.StrEnum):
@@ -190,7 +207,7 @@ class JobRecord(BaseModel):
     """The job as stored in Redis and returned by GET /v1/jobs/<id>."""
 
     id: str
-    status: JobStatus = "queued"
+    status: JobStatus = JobStatus.QUEUED
     model: str
     request: JobRequest
     host: str | None = None
@@ -210,7 +227,7 @@ class JobRecord(BaseModel):
 
     @property
     def is_terminal(self) -> bool:
-        return self.status in TERMINAL_JOB_STATUSES
+        return self.status.is_terminal
 
     def finished(
         self,
@@ -234,7 +251,7 @@ class JobRecord(BaseModel):
                 timings.tokens_per_s = round((completion_tokens - 1) / decode_s, 2)
         return self.model_copy(
             update={
-                "status": status,
+                "status": JobStatus(status),
                 "finished_at": now,
                 "output": JobOutput(text=text, finish_reason=finish_reason),
                 "usage": Usage(
@@ -415,6 +432,11 @@ class RunnerState(BaseModel):
     )
     started_at: datetime | None = None
     updated_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def is_down(self) -> bool:
+        """Stopped or failed for good: no restart is coming (only a load brings it back)."""
+        return self.status.is_final and self.next_restart_at is None
 
 
 class HealthReply(BaseModel):

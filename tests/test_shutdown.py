@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from config.settings import Settings
-from exo_tasks.types import JobRecord, JobRequest, SubmitJob, runner_id_for, utcnow
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, SubmitJob, runner_id_for, utcnow
 from tests.conftest import (
     LONG,
     Stack,
@@ -231,7 +231,7 @@ def test_the_runner_keeps_the_soft_limit_when_no_signal_brings_it(stack: Stack) 
     job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=JobRequest.model_validate(LONG))
     stack.store.create_job(job, "exo.test-no-task", max_queued=1)
     started = job.model_copy(
-        update={"status": "running", "started_at": utcnow(), "runner_id": runner_id}
+        update={"status": JobStatus.RUNNING, "started_at": utcnow(), "runner_id": runner_id}
     )
     handed_over = time.monotonic()
     command = SubmitJob(job=started, soft_deadline=time.time() + 1, deadline=time.time() + 60)

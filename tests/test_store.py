@@ -9,7 +9,7 @@ import uuid
 from exo_tasks import broker, lifecycle
 from exo_tasks.metrics import Observations
 from exo_tasks.store import Store
-from exo_tasks.types import JobRecord, JobRequest, SubmitJob, TokenEvent, utcnow
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, SubmitJob, TokenEvent, utcnow
 
 
 def new_job(model: str = "m") -> JobRecord:
@@ -20,7 +20,7 @@ def new_job(model: str = "m") -> JobRecord:
 def running(job: JobRecord, runner_id: str, owner: str = "w:1:1") -> SubmitJob:
     started = job.model_copy(
         update={
-            "status": "running",
+            "status": JobStatus.RUNNING,
             "started_at": utcnow(),
             "runner_id": runner_id,
             "host": "w",
@@ -84,7 +84,9 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     assert first_end == after and ending.event == "requeued"
 
     store.hand_over(runner_id, running(requeued, runner_id))
-    final = requeued.finished("succeeded", text="b", finish_reason="length", completion_tokens=1)
+    final = requeued.finished(
+        JobStatus.SUCCEEDED, text="b", finish_reason="length", completion_tokens=1
+    )
     store.write_step(runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final])
     [(_, ending)] = store.read_endings(job.id, after, block_ms=100)
     assert ending.event == "done" and ending.job.output.text == "b"

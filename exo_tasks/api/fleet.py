@@ -12,7 +12,7 @@ from exo_tasks.types import HostState, RunnerState, host_queue, model_queue, run
 
 def is_down(state: RunnerState | None) -> bool:
     """Stopped or failed for good; a runner not yet published is still starting."""
-    return state is not None and state.status.is_final and state.next_restart_at is None
+    return state is not None and state.is_down
 
 
 @dataclass

@@ -19,11 +19,11 @@ from exo_tasks.api.fleet import Fleet
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound, QueueFull
 from exo_tasks.store import Store
 from exo_tasks.types import (
-    TERMINAL_JOB_STATUSES,
     DoneEvent,
     JobEvent,
     JobRecord,
     JobRequest,
+    JobStatus,
     JobSummary,
 )
 
@@ -129,7 +129,7 @@ def list_jobs() -> Response:
     """Summaries of recent jobs, newest first. A full page links to the next one (`Link`,
     rel="next"): `before` is the id of the last job of the previous page."""
     status = request.args.get("status")
-    if status is not None and status not in {"queued", "running", *TERMINAL_JOB_STATUSES}:
+    if status is not None and status not in set(JobStatus):
         raise InvalidRequest(f"unknown status '{status}'", {"field": "status"})
     limit = _limit()
     before = request.args.get("before")

@@ -48,7 +48,14 @@ from exo_tasks.openai_types import (
     openai_finish_reason,
 )
 from exo_tasks.store import Store
-from exo_tasks.types import DoneEvent, JobRecord, RequeuedEvent, TokenEvent, runner_id_for
+from exo_tasks.types import (
+    DoneEvent,
+    JobRecord,
+    JobStatus,
+    RequeuedEvent,
+    TokenEvent,
+    runner_id_for,
+)
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 # A non-streaming request waits for its job's own time limits plus this, counted from submission.
@@ -167,7 +174,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
                 {"job_id": job.id},
             )
     assert final is not None, "a job's event stream ends with its DoneEvent"
-    if final.status == "failed":
+    if final.status == JobStatus.FAILED:
         raise _failure(final)
     return final
 
@@ -215,7 +222,7 @@ def _stream(
 def _ending(
     renderer: Renderer, job: JobRecord, final: JobRecord, include_usage: bool
 ) -> Iterator[str]:
-    if final.status == "failed":
+    if final.status == JobStatus.FAILED:
         failure = _failure(final)
         yield _data(openai_error_body(failure.status, failure.message, code=failure.type))
         return

@@ -49,7 +49,7 @@ def shutdown_runner(runner_id: str) -> tuple[Response, int]:
     context = ctx()
     body = RunnerShutdownBody.model_validate(json_body(allow_empty=True))
     state = get_or_404(runner_id)
-    if state.status.is_final and state.next_restart_at is None:
+    if state.is_down:
         raise Conflict(f"runner '{runner_id}' is already {state.status}", {"status": state.status})
     timeout_s = body.timeout_s
     if timeout_s is None:
@@ -79,7 +79,7 @@ def load_runner() -> tuple[Response, int]:
     if not runners:
         where = f" on host '{body.host}'" if body.host else ""
         raise NotFound(f"no runner for model '{body.model}'{where}", {"field": "model"})
-    stopped = [r for r in runners if r.status.is_final and r.next_restart_at is None]
+    stopped = [r for r in runners if r.is_down]
     if not stopped:
         raise Conflict(
             f"runner '{runners[0].id}' is already {runners[0].status}",
