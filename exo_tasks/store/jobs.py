@@ -1,48 +1,48 @@
-"""Redis: job records, each job's event stream, runner states and runner inboxes.
+"""Job records, each job's event and endings streams, and the execution of the job state
+machine's moves (exo_tasks.lifecycle).
 
 Every write that changes a job's status goes through one Lua script that checks the current
-status first, so whoever finishes a job first (runner, task, supervisor, cancel) wins and the
+status first, so whoever ends a job first (runner, task, supervisor, cancel) wins and the
 others are no-ops: a job never ends twice.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
-import redis
 from pydantic import TypeAdapter, ValidationError
 
 from exo_tasks import lifecycle, metrics
 from exo_tasks.broker import queue_lists
+from exo_tasks.store.keys import (
+    ACTIVE_JOBS,
+    RECENT_JOBS,
+    endings_key,
+    events_key,
+    job_key,
+    runner_jobs_key,
+    runner_key,
+    transition_keys,
+)
+from exo_tasks.store.metrics import MetricRecords
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
-    HostState,
     JobEvent,
     JobRecord,
     JobStatus,
     RequeuedEvent,
-    RunnerCommand,
     RunnerState,
-    StatusChange,
-    SubmitJob,
-    SupervisorRequest,
     TokenEvent,
 )
 
 log = logging.getLogger("exo_tasks.store")
-PREFIX = "exo"
 RECENT_JOBS_KEPT = 10_000
-RUNNER_HISTORY_KEPT = 50
 
 _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
 _ending_adapter: TypeAdapter[DoneEvent | RequeuedEvent] = TypeAdapter(DoneEvent | RequeuedEvent)
-_command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
-_supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequest)
 
 # KEYS: job hash, event stream, endings stream, active jobs. ARGV: new status, record, event
 # name ('' for none), event data, ttl seconds (each key's expiry starts again), the owner the
@@ -50,7 +50,7 @@ _supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequ
 # move from. The only events a transition appends end an attempt (done, error, requeued): they
 # go to the endings stream too, which the task waiting for the attempt reads without waking for
 # every token. An ending (done, error) leaves the active jobs.
-_TRANSITION = """
+TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return 0 end
 local allowed = false
@@ -72,7 +72,7 @@ return 1
 # KEYS: job hash, recent jobs, active jobs, then the queue's lists. ARGV: the most messages
 # allowed in the queue, status, record, created_at, job id, ttl seconds, queue. Creates the job
 # unless the queue is full; returns the messages found in the queue.
-_CREATE_UNLESS_FULL = f"""
+CREATE_UNLESS_FULL = f"""
 local depth = 0
 for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 if depth >= tonumber(ARGV[1]) then return depth end
@@ -82,49 +82,6 @@ redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -{RECENT_JOBS_KEPT + 1})
 return depth
-"""
-
-# KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
-# id, the submit command, the worker incarnation that now owns it, the runner's id, the new
-# status, then the statuses it may move from (exo_tasks.lifecycle). A queued job is marked
-# running, counted as the runner's and put in its inbox at once; a job no longer queued
-# (cancelled meanwhile) is left alone.
-_HAND_OVER = """
-local current = redis.call('HGET', KEYS[1], 'status')
-local allowed = false
-for i = 7, #ARGV do
-  if current == ARGV[i] then allowed = true end
-end
-if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[6], 'record', ARGV[1])
-redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'runner', ARGV[5])
-redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('RPUSH', KEYS[3], ARGV[3])
-return 1
-"""
-
-# KEYS: live hosts, runners. ARGV: host key prefix, runner key prefix. Every live host's and
-# runner's state; hosts whose heartbeat expired are forgotten.
-_FLEET = """
-local hosts, runners = {}, {}
-for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local raw = redis.call('GET', ARGV[1] .. name)
-  if raw then table.insert(hosts, raw) else redis.call('SREM', KEYS[1], name) end
-end
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  local raw = redis.call('GET', ARGV[2] .. id)
-  if raw then table.insert(runners, raw) end
-end
-return {hosts, runners}
-"""
-
-
-# KEYS: the lease. ARGV: holder, milliseconds. Taken if free, renewed if ours.
-_LEASE = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
 """
 
 
@@ -140,105 +97,8 @@ class JobWhereabouts:
     runner_id: str | None
 
 
-@dataclass(frozen=True)
-class UnreadableCommand:
-    """A message in a runner's inbox that is no valid command, and the job it names if any
-    (so that job fails at once instead of waiting for a runner that dropped it)."""
-
-    job_id: str | None
-    error: str
-
-    @classmethod
-    def of(cls, raw: str, exc: ValidationError) -> UnreadableCommand:
-        try:
-            message = json.loads(raw)
-        except (ValueError, RecursionError):
-            message = None
-        job_id = None
-        if isinstance(message, dict):
-            job = message.get("job")
-            job_id = job.get("id") if isinstance(job, dict) else message.get("job_id")
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
-        )
-        return cls(job_id if isinstance(job_id, str) else None, problems)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Redis at its maxmemory refused a write: an OOM reply, also as a script's error or
-    through kombu (which re-raises it as its own OperationalError)."""
-    while True:
-        if "when used memory > 'maxmemory'" in str(exc):
-            return True
-        if exc.__cause__ is None:
-            return False
-        exc = exc.__cause__
-
-
-def connect(url: str) -> redis.Redis:
-    # Short connect timeout: with Redis down, callers fail fast instead of hanging.
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_connect_timeout=1.0,
-        socket_timeout=10.0,
-        health_check_interval=30,
-    )
-
-
-def job_key(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}"
-
-
-def events_key(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}:events"
-
-
-def endings_key(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}:endings"
-
-
-ACTIVE_JOBS = f"{PREFIX}:jobs:active"
-RECOVERY_LEASE = f"{PREFIX}:recovery:lease"
-
-
-def _transition_keys(job_id: str) -> list[str]:
-    return [job_key(job_id), events_key(job_id), endings_key(job_id), ACTIVE_JOBS]
-
-
-def runner_key(runner_id: str) -> str:
-    return f"{PREFIX}:runner:{runner_id}"
-
-
-def host_key(host: str) -> str:
-    return f"{PREFIX}:host:{host}"
-
-
-class Store:
-    """Typed access to everything exo_tasks keeps in Redis."""
-
-    def __init__(self, client: redis.Redis, *, job_ttl_s: int = 24 * 3600) -> None:
-        # Any: redis-py's annotations cannot express decode_responses=True (every reply is str).
-        self.redis: Any = client
-        self.job_ttl_s = job_ttl_s
-        self._transition = client.register_script(_TRANSITION)
-        self._create_unless_full = client.register_script(_CREATE_UNLESS_FULL)
-        self._fleet = client.register_script(_FLEET)
-        self._hand_over = client.register_script(_HAND_OVER)
-        self._lease = client.register_script(_LEASE)
-
-    @classmethod
-    def from_url(cls, url: str, *, job_ttl_s: int = 24 * 3600) -> Store:
-        return cls(connect(url), job_ttl_s=job_ttl_s)
-
-    def ping(self) -> bool:
-        return bool(self.redis.ping())
-
-    def drop_connections(self) -> None:
-        """Close every connection, after an exception raised from outside (a signal's) that
-        may have landed between a command and its reply: the next command on that connection
-        would read the unread reply as its own (seen: the runner's state read as a job)."""
-        self.redis.connection_pool.disconnect()
+class JobRecords(MetricRecords):
+    """Job records and streams."""
 
     def queue_depth(self, queue: str) -> int:
         """Messages waiting in a Celery queue, across its priority lists (kombu's layout)."""
@@ -247,16 +107,14 @@ class Store:
             pipe.llen(key)
         return sum(pipe.execute())
 
-    # --- jobs ---
-
     def create_job(self, job: JobRecord, queue: str, max_queued: int) -> int:
         """Record a new job unless `queue` holds `max_queued` messages already, in one round
         trip. Returns the messages found in the queue: the job was created if fewer."""
-        keys = [job_key(job.id), f"{PREFIX}:jobs", ACTIVE_JOBS, *queue_lists(queue)]
+        keys = [job_key(job.id), RECENT_JOBS, ACTIVE_JOBS, *queue_lists(queue)]
         created = job.created_at.timestamp()
         args: list[str | int | float] = [max_queued, job.status, job.model_dump_json(), created]
         args += [job.id, self.job_ttl_s, queue]
-        return int(self._create_unless_full(keys=keys, args=args))
+        return int(self.script(CREATE_UNLESS_FULL)(keys=keys, args=args))
 
     def get_job(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hget(job_key(job_id), "record")
@@ -281,12 +139,12 @@ class Store:
         jobs: list[JobRecord] = []
         start = 0
         if before is not None:
-            rank = self.redis.zrevrank(f"{PREFIX}:jobs", before)
+            rank = self.redis.zrevrank(RECENT_JOBS, before)
             if rank is None:
                 return None
             start = rank + 1
         while len(jobs) < limit:
-            ids = self.redis.zrevrange(f"{PREFIX}:jobs", start, start + limit * 2 - 1)
+            ids = self.redis.zrevrange(RECENT_JOBS, start, start + limit * 2 - 1)
             if not ids:
                 break
             start += len(ids)
@@ -316,7 +174,7 @@ class Store:
         event. The record and its streams expire EXO_JOB_TTL_S after the last move. True if
         written."""
         args = self._transition_args(move)
-        written = bool(self._transition(keys=_transition_keys(move.record.id), args=args))
+        written = bool(self.script(TRANSITION)(keys=transition_keys(move.record.id), args=args))
         if written and move.record.is_terminal:  # counted once: only the first ending is written
             self.write_metrics(metrics.job_ended(move.record))
         return written
@@ -354,8 +212,8 @@ class Store:
             # EVAL, not the registered script's EVALSHA: a pipeline would first ask whether the
             # script is loaded, one more round trip each time.
             args = self._transition_args(lifecycle.ended(job))
-            pipe.eval(_TRANSITION, 4, *_transition_keys(job.id), *args)
-            pipe.srem(f"{runner_key(runner_id)}:jobs", job.id)
+            pipe.eval(TRANSITION, 4, *transition_keys(job.id), *args)
+            pipe.srem(runner_jobs_key(runner_id), job.id)
         replies = pipe.execute()
         observations.clear()
         written = replies[len(replies) - 2 * len(endings) :: 2]
@@ -484,153 +342,3 @@ class Store:
             elif isinstance(event, TokenEvent):
                 tokens.append(event.text)
         return "".join(tokens), len(tokens)
-
-    # --- runners ---
-
-    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(runner_key(state.id), state.model_dump_json())
-        pipe.sadd(f"{PREFIX}:runners", state.id)
-        if status_changed:
-            change = StatusChange(status=state.status, at=state.updated_at, error=state.error)
-            pipe.lpush(f"{runner_key(state.id)}:history", change.model_dump_json())
-            pipe.ltrim(f"{runner_key(state.id)}:history", 0, RUNNER_HISTORY_KEPT - 1)
-        pipe.execute()
-
-    def get_runner(self, runner_id: str) -> RunnerState | None:
-        raw = self.redis.get(runner_key(runner_id))
-        return RunnerState.model_validate_json(raw) if raw else None
-
-    def list_runners(self) -> list[RunnerState]:
-        ids = sorted(self.redis.smembers(f"{PREFIX}:runners"))
-        raws = self.redis.mget([runner_key(i) for i in ids]) if ids else []
-        return [RunnerState.model_validate_json(raw) for raw in raws if raw]
-
-    def runner_history(self, runner_id: str) -> list[StatusChange]:
-        raws = self.redis.lrange(f"{runner_key(runner_id)}:history", 0, -1)
-        return [StatusChange.model_validate_json(raw) for raw in reversed(raws)]
-
-    # --- a runner's inbox and the jobs handed to it ---
-
-    def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
-        """Mark a queued job running (`command.job` is its record so, naming its owner) and put
-        it in the runner's inbox, in one step: the runner starts it without a write of its own.
-        False if the job is no longer queued."""
-        job = command.job
-        keys = [job_key(job.id), f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox"]
-        args = [
-            job.model_dump_json(),
-            job.id,
-            command.model_dump_json(),
-            job.owner or "",
-            runner_id,
-            job.status,
-            *lifecycle.HAND_OVER_FROM,
-        ]
-        return bool(self._hand_over(keys=keys, args=args))
-
-    def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
-        self.redis.rpush(f"{runner_key(runner_id)}:inbox", command.model_dump_json())
-
-    def next_runner_command(
-        self, runner_id: str, timeout_s: float
-    ) -> RunnerCommand | UnreadableCommand | None:
-        reply = self.redis.blpop([f"{runner_key(runner_id)}:inbox"], timeout=timeout_s)
-        if not reply:
-            return None
-        try:
-            return _command_adapter.validate_json(reply[1])
-        except ValidationError as exc:
-            return UnreadableCommand.of(reply[1], exc)
-
-    def release_job(self, runner_id: str, job_id: str) -> None:
-        self.redis.srem(f"{runner_key(runner_id)}:jobs", job_id)
-
-    def take_runner_jobs(self, runner_id: str) -> list[str]:
-        """The jobs handed to a runner that is gone; its unread inbox is dropped."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.smembers(f"{runner_key(runner_id)}:jobs")
-        pipe.delete(f"{runner_key(runner_id)}:jobs", f"{runner_key(runner_id)}:inbox")
-        job_ids, _ = pipe.execute()
-        return sorted(job_ids)
-
-    def runner_jobs(self, runner_id: str) -> list[str]:
-        return sorted(self.redis.smembers(f"{runner_key(runner_id)}:jobs"))
-
-    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
-        return [j for j in self.take_runner_jobs(runner_id) if self.fail_job(j, error)]
-
-    def requeue_runner_jobs(self, runner_id: str) -> list[str]:
-        return [j for j in self.take_runner_jobs(runner_id) if self.requeue_job(j)]
-
-    def jobs_on_runners(self, runner_ids: list[str]) -> list[int]:
-        """How many jobs each runner holds (handed over and not yet ended)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for runner_id in runner_ids:
-            pipe.scard(f"{runner_key(runner_id)}:jobs")
-        counts: list[int] = pipe.execute()
-        return counts
-
-    # --- live hosts (each worker's expiring heartbeat) ---
-
-    def publish_host(self, state: HostState, ttl_s: float) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(host_key(state.name), state.model_dump_json(), px=int(ttl_s * 1000))
-        pipe.sadd(f"{PREFIX}:hosts", state.name)
-        pipe.execute()
-
-    def remove_host(self, host: str) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(host_key(host))
-        pipe.srem(f"{PREFIX}:hosts", host)
-        pipe.execute()
-
-    def get_host(self, host: str) -> HostState | None:
-        raw = self.redis.get(host_key(host))
-        return HostState.model_validate_json(raw) if raw else None
-
-    def owner_is_live(self, job: JobRecord) -> bool:
-        """Whether the worker incarnation holding a running job still beats; a job recorded
-        before owners existed counts as held."""
-        if job.owner is None or job.host is None:
-            return True
-        host = self.get_host(job.host)
-        return host is not None and host.incarnation == job.owner
-
-    def hold_lease(self, holder: str, ttl_s: float) -> bool:
-        """Take or keep the recovery loop's lease (one holder at a time; it lapses after
-        `ttl_s` unless renewed)."""
-        return bool(self._lease(keys=[RECOVERY_LEASE], args=[holder, int(ttl_s * 1000)]))
-
-    def fleet(self) -> tuple[list[HostState], list[RunnerState]]:
-        """The hosts whose heartbeat has not expired (expired ones are forgotten) and every
-        runner, by name, in one round trip: the API reads both for every job it takes."""
-        keys = [f"{PREFIX}:hosts", f"{PREFIX}:runners"]
-        host_raws, runner_raws = self._fleet(keys=keys, args=[host_key(""), runner_key("")])
-        hosts = [HostState.model_validate_json(raw) for raw in host_raws]
-        runners = [RunnerState.model_validate_json(raw) for raw in runner_raws]
-        return sorted(hosts, key=lambda h: h.name), sorted(runners, key=lambda r: r.id)
-
-    # --- metrics ---
-
-    def write_metrics(self, observations: metrics.Observations) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        observations.write(pipe)
-        pipe.execute()
-        observations.clear()
-
-    def read_metrics(self) -> dict[str, dict[str, str]]:
-        """Every stored metric's hash, by metric name."""
-        pipe = self.redis.pipeline(transaction=False)
-        for metric in metrics.STORED:
-            pipe.hgetall(metric.key)
-        return {m.name: stored for m, stored in zip(metrics.STORED, pipe.execute(), strict=True)}
-
-    # --- a host's supervisor inbox ---
-
-    def send_to_supervisor(self, host: str, request: SupervisorRequest) -> None:
-        self.redis.rpush(f"{PREFIX}:supervisor:{host}", request.model_dump_json())
-
-    def next_supervisor_request(self, host: str, timeout_s: float) -> SupervisorRequest | None:
-        reply = self.redis.blpop([f"{PREFIX}:supervisor:{host}"], timeout=timeout_s)
-        return _supervisor_adapter.validate_json(reply[1]) if reply else None

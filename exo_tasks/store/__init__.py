@@ -1,0 +1,58 @@
+"""Redis: the one facade every process uses, assembled from one part per concern.
+
+- `keys`: the key layout; `client`: the connection and Redis's refusals.
+- `jobs`: job records, event and endings streams; executes exo_tasks.lifecycle's moves.
+- `runners`: runner state and history, inboxes, and the hand-over of a job to a runner.
+- `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes.
+- `metrics`: metric persistence.
+kombu's own layout (queues, unacknowledged messages) is exo_tasks.broker's alone.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from exo_tasks.store.client import connect, is_out_of_memory
+from exo_tasks.store.hosts import HostRecords
+from exo_tasks.store.jobs import JobWhereabouts
+from exo_tasks.store.keys import (
+    PREFIX,
+    endings_key,
+    events_key,
+    host_key,
+    job_key,
+    runner_key,
+)
+from exo_tasks.store.runners import RunnerRecords, UnreadableCommand
+
+__all__ = [
+    "PREFIX",
+    "JobWhereabouts",
+    "Store",
+    "UnreadableCommand",
+    "connect",
+    "endings_key",
+    "events_key",
+    "host_key",
+    "is_out_of_memory",
+    "job_key",
+    "runner_key",
+]
+
+
+class Store(RunnerRecords, HostRecords):
+    """Typed access to everything exo_tasks keeps in Redis."""
+
+    @classmethod
+    def from_url(cls, url: str, *, job_ttl_s: int = 24 * 3600) -> Store:
+        return cls(connect(url), job_ttl_s=job_ttl_s)
+
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    def drop_connections(self) -> None:
+        """Close every connection, after an exception raised from outside (a signal's) that
+        may have landed between a command and its reply: the next command on that connection
+        would read the unread reply as its own (seen: the runner's state read as a job)."""
+        client: redis.Redis = self.redis
+        client.connection_pool.disconnect()

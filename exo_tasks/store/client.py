@@ -1,0 +1,48 @@
+"""The Redis connection the store's parts share, and how to read Redis's refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+
+def connect(url: str) -> redis.Redis:
+    # Short connect timeout: with Redis down, callers fail fast instead of hanging.
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_connect_timeout=1.0,
+        socket_timeout=10.0,
+        health_check_interval=30,
+    )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Redis at its maxmemory refused a write: an OOM reply, also as a script's error or
+    through kombu (which re-raises it as its own OperationalError)."""
+    while True:
+        if "when used memory > 'maxmemory'" in str(exc):
+            return True
+        if exc.__cause__ is None:
+            return False
+        exc = exc.__cause__
+
+
+class RedisPart:
+    """What every part of the store holds: the client and the job keys' expiry."""
+
+    def __init__(self, client: redis.Redis, *, job_ttl_s: int = 24 * 3600) -> None:
+        # Any: redis-py 8's annotations are not generic over decode_responses (every reply is
+        # typed `bytes | str`, every pipeline reply Any), so a typed client would be a cast
+        # per call; the store's methods are typed instead.
+        self.redis: Any = client
+        self.job_ttl_s = job_ttl_s
+        self._scripts: dict[str, Any] = {}
+
+    def script(self, text: str) -> Any:
+        """A Lua script, registered once (EVALSHA, loaded on first use)."""
+        registered = self._scripts.get(text)
+        if registered is None:
+            registered = self._scripts[text] = self.redis.register_script(text)
+        return registered

@@ -1,0 +1,92 @@
+"""Hosts in Redis: each worker's expiring heartbeat (its incarnation), the recovery loop's
+lease, the fleet as the API reads it, and each host's supervisor inbox."""
+
+from __future__ import annotations
+
+from pydantic import TypeAdapter
+
+from exo_tasks.store.client import RedisPart
+from exo_tasks.store.keys import (
+    HOSTS,
+    RECOVERY_LEASE,
+    RUNNERS,
+    host_key,
+    runner_key,
+    supervisor_key,
+)
+from exo_tasks.types import HostState, JobRecord, RunnerState, SupervisorRequest
+
+_supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequest)
+
+# KEYS: live hosts, runners. ARGV: host key prefix, runner key prefix. Every live host's and
+# runner's state; hosts whose heartbeat expired are forgotten.
+FLEET = """
+local hosts, runners = {}, {}
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local raw = redis.call('GET', ARGV[1] .. name)
+  if raw then table.insert(hosts, raw) else redis.call('SREM', KEYS[1], name) end
+end
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local raw = redis.call('GET', ARGV[2] .. id)
+  if raw then table.insert(runners, raw) end
+end
+return {hosts, runners}
+"""
+
+
+# KEYS: the lease. ARGV: holder, milliseconds. Taken if free, renewed if ours.
+LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
+class HostRecords(RedisPart):
+    """Live hosts, the recovery lease and supervisor inboxes."""
+
+    def publish_host(self, state: HostState, ttl_s: float) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(host_key(state.name), state.model_dump_json(), px=int(ttl_s * 1000))
+        pipe.sadd(HOSTS, state.name)
+        pipe.execute()
+
+    def remove_host(self, host: str) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(host_key(host))
+        pipe.srem(HOSTS, host)
+        pipe.execute()
+
+    def get_host(self, host: str) -> HostState | None:
+        raw = self.redis.get(host_key(host))
+        return HostState.model_validate_json(raw) if raw else None
+
+    def owner_is_live(self, job: JobRecord) -> bool:
+        """Whether the worker incarnation holding a running job still beats; a job recorded
+        before owners existed counts as held."""
+        if job.owner is None or job.host is None:
+            return True
+        host = self.get_host(job.host)
+        return host is not None and host.incarnation == job.owner
+
+    def hold_lease(self, holder: str, ttl_s: float) -> bool:
+        """Take or keep the recovery loop's lease (one holder at a time; it lapses after
+        `ttl_s` unless renewed)."""
+        return bool(self.script(LEASE)(keys=[RECOVERY_LEASE], args=[holder, int(ttl_s * 1000)]))
+
+    def fleet(self) -> tuple[list[HostState], list[RunnerState]]:
+        """The hosts whose heartbeat has not expired (expired ones are forgotten) and every
+        runner, by name, in one round trip: the API reads both for every job it takes."""
+        keys = [HOSTS, RUNNERS]
+        host_raws, runner_raws = self.script(FLEET)(keys=keys, args=[host_key(""), runner_key("")])
+        hosts = [HostState.model_validate_json(raw) for raw in host_raws]
+        runners = [RunnerState.model_validate_json(raw) for raw in runner_raws]
+        return sorted(hosts, key=lambda h: h.name), sorted(runners, key=lambda r: r.id)
+
+    def send_to_supervisor(self, host: str, request: SupervisorRequest) -> None:
+        self.redis.rpush(supervisor_key(host), request.model_dump_json())
+
+    def next_supervisor_request(self, host: str, timeout_s: float) -> SupervisorRequest | None:
+        reply = self.redis.blpop([supervisor_key(host)], timeout=timeout_s)
+        return _supervisor_adapter.validate_json(reply[1]) if reply else None

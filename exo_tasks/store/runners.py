@@ -1,0 +1,161 @@
+"""Runners in Redis: each runner's state and status history, its inbox of commands, and the
+jobs handed over to it (marked running and put in its inbox in one step)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pydantic import TypeAdapter, ValidationError
+
+from exo_tasks import lifecycle
+from exo_tasks.store.jobs import JobRecords
+from exo_tasks.store.keys import (
+    RUNNERS,
+    job_key,
+    runner_history_key,
+    runner_inbox_key,
+    runner_jobs_key,
+    runner_key,
+)
+from exo_tasks.types import (
+    RunnerCommand,
+    RunnerState,
+    StatusChange,
+    SubmitJob,
+)
+
+RUNNER_HISTORY_KEPT = 50
+
+_command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
+
+# KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
+# id, the submit command, the worker incarnation that now owns it, the runner's id, the new
+# status, then the statuses it may move from (exo_tasks.lifecycle). A queued job is marked
+# running, counted as the runner's and put in its inbox at once; a job no longer queued
+# (cancelled meanwhile) is left alone.
+HAND_OVER = """
+local current = redis.call('HGET', KEYS[1], 'status')
+local allowed = false
+for i = 7, #ARGV do
+  if current == ARGV[i] then allowed = true end
+end
+if not allowed then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[6], 'record', ARGV[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'runner', ARGV[5])
+redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('RPUSH', KEYS[3], ARGV[3])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class UnreadableCommand:
+    """A message in a runner's inbox that is no valid command, and the job it names if any
+    (so that job fails at once instead of waiting for a runner that dropped it)."""
+
+    job_id: str | None
+    error: str
+
+    @classmethod
+    def of(cls, raw: str, exc: ValidationError) -> UnreadableCommand:
+        try:
+            message = json.loads(raw)
+        except (ValueError, RecursionError):
+            message = None
+        job_id = None
+        if isinstance(message, dict):
+            job = message.get("job")
+            job_id = job.get("id") if isinstance(job, dict) else message.get("job_id")
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        return cls(job_id if isinstance(job_id, str) else None, problems)
+
+
+class RunnerRecords(JobRecords):
+    """Runner states, inboxes and the jobs handed to runners."""
+
+    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(runner_key(state.id), state.model_dump_json())
+        pipe.sadd(RUNNERS, state.id)
+        if status_changed:
+            change = StatusChange(status=state.status, at=state.updated_at, error=state.error)
+            pipe.lpush(runner_history_key(state.id), change.model_dump_json())
+            pipe.ltrim(runner_history_key(state.id), 0, RUNNER_HISTORY_KEPT - 1)
+        pipe.execute()
+
+    def get_runner(self, runner_id: str) -> RunnerState | None:
+        raw = self.redis.get(runner_key(runner_id))
+        return RunnerState.model_validate_json(raw) if raw else None
+
+    def list_runners(self) -> list[RunnerState]:
+        ids = sorted(self.redis.smembers(RUNNERS))
+        raws = self.redis.mget([runner_key(i) for i in ids]) if ids else []
+        return [RunnerState.model_validate_json(raw) for raw in raws if raw]
+
+    def runner_history(self, runner_id: str) -> list[StatusChange]:
+        raws = self.redis.lrange(runner_history_key(runner_id), 0, -1)
+        return [StatusChange.model_validate_json(raw) for raw in reversed(raws)]
+
+    # --- a runner's inbox and the jobs handed to it ---
+
+    def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
+        """Mark a queued job running (`command.job` is its record so, naming its owner) and put
+        it in the runner's inbox, in one step: the runner starts it without a write of its own.
+        False if the job is no longer queued."""
+        job = command.job
+        keys = [job_key(job.id), runner_jobs_key(runner_id), runner_inbox_key(runner_id)]
+        args = [
+            job.model_dump_json(),
+            job.id,
+            command.model_dump_json(),
+            job.owner or "",
+            runner_id,
+            job.status,
+            *lifecycle.HAND_OVER_FROM,
+        ]
+        return bool(self.script(HAND_OVER)(keys=keys, args=args))
+
+    def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
+        self.redis.rpush(runner_inbox_key(runner_id), command.model_dump_json())
+
+    def next_runner_command(
+        self, runner_id: str, timeout_s: float
+    ) -> RunnerCommand | UnreadableCommand | None:
+        reply = self.redis.blpop([runner_inbox_key(runner_id)], timeout=timeout_s)
+        if not reply:
+            return None
+        try:
+            return _command_adapter.validate_json(reply[1])
+        except ValidationError as exc:
+            return UnreadableCommand.of(reply[1], exc)
+
+    def release_job(self, runner_id: str, job_id: str) -> None:
+        self.redis.srem(runner_jobs_key(runner_id), job_id)
+
+    def take_runner_jobs(self, runner_id: str) -> list[str]:
+        """The jobs handed to a runner that is gone; its unread inbox is dropped."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.smembers(runner_jobs_key(runner_id))
+        pipe.delete(runner_jobs_key(runner_id), runner_inbox_key(runner_id))
+        job_ids, _ = pipe.execute()
+        return sorted(job_ids)
+
+    def runner_jobs(self, runner_id: str) -> list[str]:
+        return sorted(self.redis.smembers(runner_jobs_key(runner_id)))
+
+    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
+        return [j for j in self.take_runner_jobs(runner_id) if self.fail_job(j, error)]
+
+    def requeue_runner_jobs(self, runner_id: str) -> list[str]:
+        return [j for j in self.take_runner_jobs(runner_id) if self.requeue_job(j)]
+
+    def jobs_on_runners(self, runner_ids: list[str]) -> list[int]:
+        """How many jobs each runner holds (handed over and not yet ended)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for runner_id in runner_ids:
+            pipe.scard(runner_jobs_key(runner_id))
+        counts: list[int] = pipe.execute()
+        return counts
