@@ -71,33 +71,48 @@ def validation_details(exc: ValidationError) -> list[dict[str, Any]]:
 
 
 def handle(exc: Exception) -> Response:
+    """Every exception a request raises, as the JSON error shape: invalid input 422, the
+    project's errors their own status, Werkzeug's theirs, Redis full or unreachable 503,
+    anything else logged once and 500."""
     if isinstance(exc, ValidationError):
-        details = validation_details(exc)
-        summary = "; ".join(
-            f"{d['field']}: {d['message']}" if d["field"] else d["message"] for d in details
-        )
-        unsupported = exc.errors()[0]["type"] == "extra_forbidden"
-        return error_response(
-            422,
-            "invalid_request",
-            summary,
-            details,
-            code="unsupported_parameter" if unsupported else "invalid_value",
-        )
+        return _invalid(exc)
     if isinstance(exc, ExoError):
         response = error_response(exc.status, exc.type, exc.message, exc.details)
         response.headers.update(exc.headers())
         return response
+    if isinstance(exc, HTTPException):
+        return _http_error(exc)
+    return _unexpected(exc)
+
+
+def _invalid(exc: ValidationError) -> Response:
+    details = validation_details(exc)
+    summary = "; ".join(
+        f"{d['field']}: {d['message']}" if d["field"] else d["message"] for d in details
+    )
+    unsupported = exc.errors()[0]["type"] == "extra_forbidden"
+    return error_response(
+        422,
+        "invalid_request",
+        summary,
+        details,
+        code="unsupported_parameter" if unsupported else "invalid_value",
+    )
+
+
+def _http_error(exc: HTTPException) -> Response:
     if isinstance(exc, RequestEntityTooLarge):
         limit = current_app.config["MAX_CONTENT_LENGTH"]
         message = f"the request body is larger than {limit} bytes (EXO_MAX_BODY_BYTES)"
         return error_response(413, "request_entity_too_large", message, {"limit_bytes": limit})
-    if isinstance(exc, HTTPException):
-        code = exc.code or 500
-        response = error_response(code, exc.name.lower().replace(" ", "_"), exc.description or "")
-        # What the exception says besides its body, such as `Allow` on a 405 (RFC 9110).
-        response.headers.update({k: v for k, v in exc.get_headers() if k != "Content-Type"})
-        return response
+    code = exc.code or 500
+    response = error_response(code, exc.name.lower().replace(" ", "_"), exc.description or "")
+    # What the exception says besides its body, such as `Allow` on a 405 (RFC 9110).
+    response.headers.update({k: v for k, v in exc.get_headers() if k != "Content-Type"})
+    return response
+
+
+def _unexpected(exc: Exception) -> Response:
     if is_out_of_memory(exc):
         log.error("redis is full: %s", exc)
         full = StorageFull(

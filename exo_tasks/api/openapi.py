@@ -15,6 +15,18 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from config.settings import Settings
 from exo_tasks.api.context import ctx
+from exo_tasks.api.models import (
+    HealthReply,
+    HostInfo,
+    HostShutdownBody,
+    HostShutdownReply,
+    ReadinessReply,
+    RunnerDetail,
+    RunnerLoadBody,
+    RunnerLoadReply,
+    RunnerShutdownBody,
+    RunnerShutdownReply,
+)
 from exo_tasks.openai_types import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -24,20 +36,10 @@ from exo_tasks.openai_types import (
     ModelList,
 )
 from exo_tasks.types import (
-    HealthReply,
-    HostInfo,
-    HostShutdownBody,
-    HostShutdownReply,
     JobRecord,
     JobRequest,
     JobStatus,
     JobSummary,
-    ReadinessReply,
-    RunnerDetail,
-    RunnerLoadBody,
-    RunnerLoadReply,
-    RunnerShutdownBody,
-    RunnerShutdownReply,
     RunnerState,
 )
 
@@ -239,20 +241,10 @@ def _content(reply: Reply, ref: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _operation(op: Op, refs: Refs) -> dict[str, Any]:
-    responses: dict[str, Any] = {}
-    for status, reply in op.replies.items():
-        ref = refs[(reply.model, "serialization")] if reply.model else None
-        responses[str(status)] = {"description": reply.description, "content": _content(reply, ref)}
-    error_ref = refs[(OpenAIErrorReply if op.openai else ErrorReply, "serialization")]
-    error = {"description": "An error", "content": _content(Reply(), error_ref)}
-    codes = (*op.errors, *(() if op.public else (401, 503)))
-    for status in sorted(set(codes) - set(op.replies)):
-        responses[str(status)] = error
-    responses["default"] = error
     operation: dict[str, Any] = {
         "operationId": op.method + "_" + re.sub(r"[^a-zA-Z0-9]+", "_", op.path).strip("_"),
         "summary": op.summary,
-        "responses": responses,
+        "responses": _responses(op, refs),
     }
     parameters = [
         {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
@@ -268,6 +260,21 @@ def _operation(op: Op, refs: Refs) -> dict[str, Any]:
     if op.public:
         operation["security"] = []
     return operation
+
+
+def _responses(op: Op, refs: Refs) -> dict[str, Any]:
+    """Its replies, then each error status it may answer (in the route's error shape)."""
+    responses: dict[str, Any] = {}
+    for status, reply in op.replies.items():
+        ref = refs[(reply.model, "serialization")] if reply.model else None
+        responses[str(status)] = {"description": reply.description, "content": _content(reply, ref)}
+    error_ref = refs[(OpenAIErrorReply if op.openai else ErrorReply, "serialization")]
+    error = {"description": "An error", "content": _content(Reply(), error_ref)}
+    codes = (*op.errors, *(() if op.public else (401, 503)))
+    for status in sorted(set(codes) - set(op.replies)):
+        responses[str(status)] = error
+    responses["default"] = error
+    return responses
 
 
 def _path_params(path: str) -> list[str]:
