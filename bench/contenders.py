@@ -16,7 +16,7 @@ from typing import Any
 
 import requests
 
-from config.settings import model_slug
+from exo_tasks.naming import model_slug
 from exo_tasks.store import Store
 from tests.stack import (
     EXO_TASKS,

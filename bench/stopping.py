@@ -24,8 +24,8 @@ from bench.config import Config
 from bench.contenders import START_TIMEOUT_S, Lab, start_exo, start_mlx_server
 from bench.load import prompt_for
 from bench.results import EXO, MLX_SERVER, Results
+from exo_tasks.naming import runner_id_for
 from exo_tasks.store import Store
-from exo_tasks.types import runner_id_for
 from tests.stack import start_worker, wait_runner_ready, wait_until
 
 log = logging.getLogger("bench")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import socket
 from functools import cached_property
 from pathlib import Path
@@ -12,13 +11,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exo_tasks import limits
 
+# Names live in exo_tasks.naming; this stays importable from here for older imports.
+from exo_tasks.naming import model_slug as model_slug
+
 TINY_MODEL_DIRNAME = "models/tiny"
-
-
-def model_slug(model: str) -> str:
-    """A queue- and URL-safe name for a model path or hub id ('mlx-community/Qwen3' → 'qwen3')."""
-    name = Path(model.rstrip("/")).name or model
-    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
 
 
 class Settings(BaseSettings):

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exo_tasks.errors import NotFound, Unavailable
+from exo_tasks.naming import host_queue, model_queue, runner_id_for
 from exo_tasks.store import Store
-from exo_tasks.types import HostState, RunnerState, host_queue, model_queue, runner_id_for
+from exo_tasks.types import HostState, RunnerState
 
 
 def is_down(state: RunnerState | None) -> bool:
@@ -37,18 +38,26 @@ class Fleet:
     def host_runners(self, host: str) -> list[RunnerState]:
         return [r for r in self.runners.values() if r.host == host]
 
+    def serves(self, host: str, model: str) -> bool:
+        """Whether `host` is live and serves `model`."""
+        state = self.hosts.get(host)
+        return state is not None and model in state.models
+
     def queue_for(self, model: str, host: str | None) -> str:
         """The queue for a job on a served `model`, pinned to `host` or not: 404 when no live
         host of that name serves it, 503 when every runner that could take it is down."""
-        pinned = self.hosts.get(host) if host is not None else None
-        if host is not None and (pinned is None or model not in pinned.models):
+        if host is not None and not self.serves(host, model):
             live = ", ".join(self.hosts) or "none"
             raise NotFound(
                 f"no live host '{host}' serves model '{model}' (live hosts: {live})",
                 {"field": "host"},
             )
-        hosts = [host] if host is not None else [h.name for h in self.hosts.values()]
-        runner_ids = [runner_id_for(model, h) for h in hosts if model in self.hosts[h].models]
+        hosts = [host] if host is not None else list(self.hosts)
+        self._refuse_if_all_down(model, [h for h in hosts if self.serves(h, model)])
+        return host_queue(host) if host is not None else model_queue(model)
+
+    def _refuse_if_all_down(self, model: str, hosts: list[str]) -> None:
+        runner_ids = [runner_id_for(model, h) for h in hosts]
         if all(is_down(self.runners.get(r)) for r in runner_ids):
             states = "; ".join(f"{r}: {self.runners[r].status}" for r in runner_ids)
             raise Unavailable(
@@ -56,4 +65,3 @@ class Fleet:
                 "start one with POST /v1/runners",
                 {"model": model, "runners": runner_ids},
             )
-        return host_queue(host) if host is not None else model_queue(model)

@@ -1,7 +1,12 @@
-"""The job service, with no HTTP in it: sending a job's Celery message and cancelling a job.
-The API, the OpenAI routes and the recovery loop all go through here."""
+"""The job service, with no HTTP in it: parse a job request, resolve its model, submit it
+(record, then send its Celery message), follow its events, cancel it. The native and the
+OpenAI-compatible routes and the recovery loop all go through here."""
 
 from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
 from celery import Celery
 
@@ -9,9 +14,88 @@ from config.celery import PRIORITY_LEVELS
 from config.settings import Settings
 from exo_tasks import lifecycle, limits
 from exo_tasks.celery_app import INFERENCE_TASK
-from exo_tasks.errors import Conflict, NotFound
+from exo_tasks.errors import Conflict, NotFound, QueueFull
+from exo_tasks.fleet import Fleet
+from exo_tasks.naming import find_model, host_queue, model_queue
 from exo_tasks.store import Store
-from exo_tasks.types import CancelJob, JobRecord, JobStatus, host_queue, model_queue
+from exo_tasks.types import (
+    CancelJob,
+    DoneEvent,
+    JobEvent,
+    JobRecord,
+    JobRequest,
+    JobStatus,
+)
+
+# A follower of a job's events wakes this often when nothing happens (an SSE keepalive).
+FOLLOW_SLICE_MS = 1000
+QUEUE_FULL_RETRY_AFTER_S = 5
+
+
+def parse_request(settings: Settings, body: dict[str, Any]) -> JobRequest:
+    """A job request, validated against the configured caps (pydantic's ValidationError)."""
+    caps = {
+        "max_tokens_cap": settings.max_tokens,
+        "max_prompt_chars": settings.max_prompt_chars,
+        "max_prompt_tokens": settings.max_prompt_tokens,
+        "max_stop_chars": settings.max_stop_chars,
+        "max_timeout_s": limits.max_timeout_s(settings),
+    }
+    return JobRequest.model_validate(body, context=caps)
+
+
+def resolve_model(fleet: Fleet, settings: Settings, requested: str | None) -> str:
+    """The model a request names (by slug or by path), or this API's default one; 404 unless a
+    live host serves it."""
+    name = requested if requested is not None else settings.served_models[0]
+    served = fleet.models
+    model = find_model(name, served)
+    if model is None:
+        raise NotFound(
+            f"model '{name}' is not served by any live host; served models: "
+            f"{', '.join(served) or 'none'}",
+            {"field": "model", "served_models": served},
+        )
+    return model
+
+
+def submit(store: Store, celery: Celery, settings: Settings, request: JobRequest) -> JobRecord:
+    """Record the job, then send its task: a job the API accepted is never unknown. A pinned
+    job goes to its host's own queue, which only that host's worker consumes. Once
+    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
+    fill up."""
+    fleet = Fleet.load(store)
+    model = resolve_model(fleet, settings, request.model)
+    queue = fleet.queue_for(model, request.host)
+    job = JobRecord(id=uuid.uuid4().hex, model=model, request=request)
+    depth = store.create_job(job, queue, settings.max_queued_jobs)
+    if depth >= settings.max_queued_jobs:
+        raise QueueFull(
+            f"{depth} jobs are waiting in {queue}, the most allowed "
+            f"(EXO_MAX_QUEUED_JOBS={settings.max_queued_jobs})",
+            retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+        )
+    send(celery, settings, job)
+    return job
+
+
+def follow(store: Store, job_id: str, after: str = "0-0") -> Iterator[tuple[str, JobEvent] | None]:
+    """A job's events after stream position `after`, up to its last (DoneEvent); None for
+    each second without one, so a streaming caller can write a keepalive. A reader that
+    resumed past the end of an ended job's stream gets its last event again."""
+    while True:
+        batch = store.read_events(job_id, after, block_ms=FOLLOW_SLICE_MS)
+        if not batch:
+            last = store.last_event(job_id)
+            if last is not None and isinstance(last[1], DoneEvent):
+                yield last
+                return
+            yield None
+        for event_id, event in batch:
+            after = event_id
+            yield event_id, event
+            if isinstance(event, DoneEvent):
+                return
 
 
 def queue_of(job: JobRecord) -> str:

@@ -69,7 +69,7 @@ def end(
 ) -> Move:
     """Any active job to a terminal status."""
     assert status in ENDINGS, status
-    final = job.finished(
+    final = job.ended(
         status,
         text=text,
         finish_reason=finish_reason,
@@ -79,14 +79,14 @@ def end(
     return Move(final, allowed_from(status))
 
 
-def ended(job: JobRecord) -> Move:
-    """A record its runner already ended (`JobRecord.finished`), written if still active."""
+def write_ending(job: JobRecord) -> Move:
+    """A record its runner already ended (`JobRecord.ended`), written if still active."""
     return Move(job, allowed_from(job.status))
 
 
 def cancel_queued(job: JobRecord) -> Move:
     """A job no runner has taken: it ends at once and never runs."""
-    final = job.finished(
+    final = job.ended(
         JobStatus.CANCELLED, text="", finish_reason="cancelled", completion_tokens=0
     )
     return Move(final, (QUEUED,))
@@ -94,7 +94,7 @@ def cancel_queued(job: JobRecord) -> Move:
 
 def cancel_orphaned(job: JobRecord, text: str, completion_tokens: int) -> Move:
     """A running job whose worker is gone: nobody else can end it, so the cancel does."""
-    final = job.finished(
+    final = job.ended(
         JobStatus.CANCELLED,
         text=text,
         finish_reason="cancelled",

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import redis
 
 from exo_tasks.broker import Broker, Messages
+from exo_tasks.naming import node_name
 from exo_tasks.store import JobWhereabouts, Store
 from exo_tasks.types import HostState, JobRecord, JobStatus, RunnerState, RunnerStatus, utcnow
 
@@ -143,9 +144,11 @@ class Recovery:
                 "messages of the previous worker on this host restored",
                 extra={"incarnation": previous.incarnation, "messages": len(previous.held)},
             )
-        for job in self.store.active_jobs():
-            if job.status == JobStatus.RUNNING and job.owner and host_of(job.owner) == self.host:
-                self._requeue(job, "its worker on this host was restarted")
+        self._requeue_running(
+            self.store.active_jobs(),
+            lambda owner: host_of(owner) == self.host,
+            "its worker on this host was restarted",
+        )
 
     def sweep(self) -> None:
         now = time.time()
@@ -154,9 +157,9 @@ class Recovery:
         messages = self.broker.messages(job.queue for job in active if job.queue)
         self._restore_orphaned_messages(messages, {tag for h in hosts for tag in h.held}, now)
         live = {h.incarnation for h in hosts}
-        for job in active:
-            if job.status == JobStatus.RUNNING and job.owner and job.owner not in live:
-                self._requeue(job, "its worker is gone (no heartbeat)")
+        self._requeue_running(
+            active, lambda owner: owner not in live, "its worker is gone (no heartbeat)"
+        )
         self._resend_lost(active, messages, now)
         self._fail_runners_of_gone_hosts({h.name for h in hosts}, runners)
 
@@ -169,6 +172,14 @@ class Recovery:
             log.warning(
                 "orphaned messages restored to their queues", extra={"messages": len(orphaned)}
             )
+
+    def _requeue_running(
+        self, active: list[JobWhereabouts], orphaned: Callable[[str], bool], why: str
+    ) -> None:
+        """Requeue the running jobs whose owner (a worker incarnation) is `orphaned`."""
+        for job in active:
+            if job.status == JobStatus.RUNNING and job.owner and orphaned(job.owner):
+                self._requeue(job, why)
 
     def _requeue(self, job: JobWhereabouts, why: str) -> None:
         requeued = self.store.requeue_job(job.id, only_from=job.owner)
@@ -197,7 +208,7 @@ class Recovery:
         for runner in runners:
             if runner.host in live_hosts or runner.is_down:
                 continue
-            error = f"host exo@{runner.host} gone (no heartbeat)"
+            error = f"host {node_name(runner.host)} gone (no heartbeat)"
             update = {
                 "status": RunnerStatus.FAILED,
                 "error": error,

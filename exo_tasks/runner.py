@@ -274,27 +274,33 @@ class Runner:
     def serve(self) -> None:
         while True:
             try:
-                # Deliver what is owed to Redis before generating more: after an outage the
-                # streams stay complete and in order.
-                self._flush()
-                decoding = len(self.active)
-                self._take_commands(0.0 if decoding else IDLE_WAIT_S)
-                if decoding and len(self.active) > decoding:
-                    self._gather_burst(decoding)
-                if self.terminate_requested:
-                    requeue = self.stop_request is not None and self.stop_request.requeue
-                    self._begin_stop(StopRunner(mode="hard", requeue=requeue))
-                self._drop_expired()
-                if self.stop_request is not None and self._stop_finished():
-                    self._flush()
+                if self._serve_once():
                     return
-                if self.active:
-                    self._step()
             except redis.RedisError as exc:
                 if not redis_waits(exc):
                     raise
                 log.warning("redis unreachable or full; runner waits", extra={"error": str(exc)})
                 time.sleep(REDIS_RETRY_S)
+
+    def _serve_once(self) -> bool:
+        """One round of the loop: commands, expiries, a step. True once a stop has finished."""
+        # Deliver what is owed to Redis before generating more: after an outage the streams
+        # stay complete and in order.
+        self._flush()
+        decoding = len(self.active)
+        self._take_commands(0.0 if decoding else IDLE_WAIT_S)
+        if decoding and len(self.active) > decoding:
+            self._gather_burst(decoding)
+        if self.terminate_requested:
+            requeue = self.stop_request is not None and self.stop_request.requeue
+            self._begin_stop(StopRunner(mode="hard", requeue=requeue))
+        self._drop_expired()
+        if self.stop_request is not None and self._stop_finished():
+            self._flush()
+            return True
+        if self.active:
+            self._step()
+        return False
 
     def _flush(self) -> None:
         """Send the tokens and job endings not yet in Redis (kept here while it is down), with
@@ -491,7 +497,7 @@ class Runner:
             return
         if in_engine:
             self.engine.remove(job_id)
-        final = job.record.finished(
+        final = job.record.ended(
             JobStatus(status),
             text="".join(job.text),
             finish_reason=reason,

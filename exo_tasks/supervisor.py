@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
-from config.settings import Settings, model_slug
+from config.settings import Settings
 from exo_tasks import metrics, runner
+from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.types import (
     RunnerState,
@@ -31,7 +32,6 @@ from exo_tasks.types import (
     StopRunner,
     StopRunnerRequest,
     SupervisorRequest,
-    runner_id_for,
     utcnow,
 )
 

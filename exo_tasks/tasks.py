@@ -24,6 +24,7 @@ from exo_tasks.celery_app import (
     ExoCelery,
 )
 from exo_tasks.errors import ExoError, RunnerGone
+from exo_tasks.naming import runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.supervisor import KILL_WAIT_S, TERM_WAIT_S
 from exo_tasks.types import (
@@ -37,7 +38,6 @@ from exo_tasks.types import (
     StopRunner,
     StopRunnerRequest,
     SubmitJob,
-    runner_id_for,
 )
 
 log = logging.getLogger("exo_tasks.tasks")

@@ -22,6 +22,11 @@ from pydantic import (
 
 from exo_tasks import limits
 
+# Names live in exo_tasks.naming; these stay importable from here for older imports.
+from exo_tasks.naming import host_queue as host_queue
+from exo_tasks.naming import model_queue as model_queue
+from exo_tasks.naming import runner_id_for as runner_id_for
+
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
 MAX_STOP_STRINGS = 4
@@ -229,7 +234,7 @@ class JobRecord(BaseModel):
     def is_terminal(self) -> bool:
         return self.status.is_terminal
 
-    def finished(
+    def ended(
         self,
         status: JobStatus,
         *,
@@ -371,42 +376,6 @@ class StartRunnerRequest(BaseModel):
 SupervisorRequest = Annotated[StopRunnerRequest | StartRunnerRequest, Field(discriminator="kind")]
 
 
-# --- HTTP bodies for runners and hosts ---
-
-
-class RunnerShutdownBody(WireModel):
-    mode: Literal["warm", "hard"] = "warm"
-    timeout_s: float | None = Field(None, ge=0, le=3600)
-
-
-class RunnerLoadBody(WireModel):
-    model: str
-    host: str | None = None
-
-
-class HostShutdownBody(WireModel):
-    mode: Literal["warm", "cold"] = "warm"
-
-
-class RunnerShutdownReply(BaseModel):
-    runner_id: str
-    task_id: str
-    mode: Literal["warm", "hard"]
-    timeout_s: float
-
-
-class RunnerLoadReply(BaseModel):
-    runner_id: str
-    task_id: str
-    host: str
-
-
-class HostShutdownReply(BaseModel):
-    host: str
-    mode: Literal["warm", "cold"]
-    reply: dict[str, str] | None = Field(None, description="The worker's own answer.")
-
-
 class StatusChange(BaseModel):
     status: RunnerStatus
     at: datetime
@@ -439,22 +408,6 @@ class RunnerState(BaseModel):
         return self.status.is_final and self.next_restart_at is None
 
 
-class HealthReply(BaseModel):
-    status: Literal["ok"] = "ok"
-
-
-class ReadinessReply(BaseModel):
-    status: Literal["ready", "no runner ready", "unavailable"]
-    redis: bool
-    ready_runners: list[str]
-
-
-class RunnerDetail(RunnerState):
-    """GET /v1/runners/<id>: the runner and its status changes, oldest first."""
-
-    history: list[StatusChange]
-
-
 class HostState(BaseModel):
     """A worker host as it announces itself in Redis while it runs (an expiring heartbeat)."""
 
@@ -470,29 +423,3 @@ class HostState(BaseModel):
     models: list[str] = Field(description="Slugs of the models this host serves.")
     started_at: datetime
     updated_at: datetime = Field(default_factory=utcnow)
-
-
-class HostInfo(BaseModel):
-    """GET /v1/hosts: a live worker, as it answers Celery's inspect, with its runners and the
-    depth of each queue it consumes."""
-
-    name: str
-    node: str = Field(description="The Celery node name, exo@<host>.")
-    pid: int
-    concurrency: int | None = None
-    models: list[str]
-    runners: list[RunnerState]
-    queues: dict[str, int] = Field(description="Messages waiting in each queue it consumes.")
-
-
-def runner_id_for(model: str, host: str) -> str:
-    """A runner is named by what it serves and where: one per (model, host)."""
-    return f"{model}@{host}"
-
-
-def model_queue(model: str) -> str:
-    return f"exo.model.{model}"
-
-
-def host_queue(host: str) -> str:
-    return f"exo.host.{host}"

@@ -16,13 +16,14 @@ from celery.signals import worker_process_init, worker_shutting_down
 from celery.worker import components, state
 from celery.worker.control import control_command
 
-from config.settings import Settings, model_slug
+from config.settings import Settings
 from exo_tasks import jobs, recovery
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.logs import configure_logging
+from exo_tasks.naming import host_queue, model_queue, model_slug, node_name
 from exo_tasks.supervisor import RunnerSupervisor
-from exo_tasks.types import HostState, host_queue, model_queue, utcnow
+from exo_tasks.types import HostState, utcnow
 
 log = logging.getLogger("exo_tasks.worker")
 
@@ -131,7 +132,7 @@ def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]
     ]
     return [
         "worker",
-        f"--hostname=exo@{settings.hostname}",
+        f"--hostname={node_name(settings.hostname)}",
         f"--queues={','.join(queues)}",
         f"--concurrency={concurrency or settings.worker_concurrency}",
         f"--loglevel={settings.log_level}",

@@ -25,9 +25,10 @@ from werkzeug.serving import BaseWSGIServer, make_server
 
 from config.settings import Settings
 from exo_tasks.api import create_app
+from exo_tasks.naming import runner_id_for
 from exo_tasks.redis_server import redis_server_argv, wait_for_redis
 from exo_tasks.store import Store
-from exo_tasks.types import RunnerState, runner_id_for
+from exo_tasks.types import RunnerState
 
 EXO_TASKS = str(Path(sys.executable).parent / "exo-tasks")
 

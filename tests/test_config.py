@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from config.celery import celery_config
-from config.settings import Settings, model_slug
+from config.settings import Settings
 from exo_tasks.errors import ExoError
+from exo_tasks.naming import model_slug
 from exo_tasks.redis_server import INSTALL_HINT, find_redis_server, redis_server_argv
 
 

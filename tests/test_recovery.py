@@ -17,8 +17,9 @@ from pathlib import Path
 import requests
 
 from exo_tasks import broker, jobs
+from exo_tasks.naming import host_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S
-from exo_tasks.types import JobRecord, JobRequest, host_queue
+from exo_tasks.types import JobRecord, JobRequest
 from tests.conftest import Stack, new_worker, runner_state, wait_tokens
 from tests.stack import Processes, wait_until
 

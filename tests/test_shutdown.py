@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from config.settings import Settings
-from exo_tasks.types import JobRecord, JobRequest, JobStatus, SubmitJob, runner_id_for, utcnow
+from exo_tasks.naming import runner_id_for
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, SubmitJob, utcnow
 from tests.conftest import (
     LONG,
     Stack,

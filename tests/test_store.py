@@ -84,7 +84,7 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     assert first_end == after and ending.event == "requeued"
 
     store.hand_over(runner_id, running(requeued, runner_id))
-    final = requeued.finished(
+    final = requeued.ended(
         JobStatus.SUCCEEDED, text="b", finish_reason="length", completion_tokens=1
     )
     store.write_step(runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final])

@@ -6,8 +6,8 @@ import redis
 from flask import Blueprint, Response, jsonify
 
 from exo_tasks.api.context import ctx
-from exo_tasks.api.fleet import Fleet
-from exo_tasks.types import HealthReply, ReadinessReply
+from exo_tasks.api.models import HealthReply, ReadinessReply
+from exo_tasks.fleet import Fleet
 
 bp = Blueprint("health", __name__)
 

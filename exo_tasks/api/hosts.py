@@ -5,15 +5,15 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from exo_tasks.api.context import ctx
-from exo_tasks.api.fleet import Fleet
-from exo_tasks.api.jobs import json_body
+from exo_tasks.api.http import json_body
+from exo_tasks.api.models import HostInfo, HostShutdownBody, HostShutdownReply
 from exo_tasks.errors import NotFound
-from exo_tasks.types import HostInfo, HostShutdownBody, HostShutdownReply, host_queue, model_queue
+from exo_tasks.fleet import Fleet
+from exo_tasks.naming import host_of_node, host_queue, model_queue, node_name
 
 bp = Blueprint("hosts", __name__, url_prefix="/v1/hosts")
 REPLY_TIMEOUT_S = 3.0
 INSPECT_TIMEOUT_S = 1.0
-NODE_PREFIX = "exo@"
 
 
 @bp.get("")
@@ -28,9 +28,9 @@ def list_hosts() -> Response:
     stats = inspect.stats() or {}
     hosts: list[HostInfo] = []
     for node, info in sorted(stats.items()):
-        if not node.startswith(NODE_PREFIX):
+        name = host_of_node(node)
+        if name is None:
             continue
-        name = node.removeprefix(NODE_PREFIX)
         runners = fleet.host_runners(name)
         live = fleet.hosts.get(name)
         models = live.models if live is not None else [r.model for r in runners]
@@ -56,7 +56,7 @@ def shutdown_host(host: str) -> tuple[Response, int]:
     body = HostShutdownBody.model_validate(json_body(allow_empty=True))
     if host not in Fleet.load(ctx().store).hosts:  # no heartbeat: do not wait for a reply
         raise NotFound(f"no live worker for host '{host}'", {"host": host})
-    node = f"exo@{host}"
+    node = node_name(host)
     replies = ctx().celery.control.broadcast(
         "exo_shutdown",
         arguments={"mode": body.mode},

@@ -2,62 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
 
-from flask import Blueprint, Response, jsonify, request, stream_with_context
-from werkzeug.exceptions import RequestEntityTooLarge
+from flask import Blueprint, Response, jsonify, request
 
-from config.settings import model_slug
-from exo_tasks import jobs, limits
-from exo_tasks.api.context import ApiContext, ctx
-from exo_tasks.api.fleet import Fleet
-from exo_tasks.errors import BadRequest, InvalidRequest, NotFound, QueueFull
-from exo_tasks.store import Store
-from exo_tasks.types import (
-    DoneEvent,
-    JobEvent,
-    JobRecord,
-    JobRequest,
-    JobStatus,
-    JobSummary,
-)
+from exo_tasks import jobs
+from exo_tasks.api.context import ctx
+from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
+from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
+from exo_tasks.types import DoneEvent, JobRecord, JobStatus, JobSummary
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
-SSE_BLOCK_MS = 1000
-KEEPALIVE = ": keepalive\n\n"
-QUEUE_FULL_RETRY_AFTER_S = 5
 MAX_LIST_LIMIT = 1000
 # A Redis stream id: milliseconds, then optionally a sequence number, each an unsigned 64-bit.
 STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
-
-
-def json_body(*, allow_empty: bool = False) -> dict[str, Any]:
-    """The request's JSON object; `allow_empty`: a missing body means `{}` (all defaults)."""
-    if not _whole_body() and allow_empty:
-        return {}
-    try:
-        body = request.get_json(silent=True)
-    except RecursionError:  # Python's JSON parser recurses once per level
-        raise BadRequest("the body is nested too deeply", {"field": None}) from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object", {"field": None})
-    return body
-
-
-def _whole_body() -> bytes:
-    """The request body. Werkzeug stops reading a body without Content-Length (chunked) at the
-    EXO_MAX_BODY_BYTES cap and hands over the part it read: a byte more means 413."""
-    data = request.get_data()
-    limit = request.max_content_length
-    unsized = request.content_length is None and limit is not None and len(data) >= limit
-    if unsized and request.environ["wsgi.input"].read(1):
-        raise RequestEntityTooLarge()
-    return data
 
 
 def public(job: JobRecord) -> dict[str, Any]:
@@ -68,59 +29,11 @@ def summary(job: JobRecord) -> dict[str, Any]:
     return JobSummary.of(job).model_dump(mode="json")
 
 
-def resolve_model(context: ApiContext, requested: str | None, fleet: Fleet | None = None) -> str:
-    """The model a request names (by slug or by path), or this API's default one; 404 unless a
-    live host serves it."""
-    fleet = fleet or Fleet.load(context.store)
-    name = requested if requested is not None else context.settings.served_models[0]
-    served = fleet.models
-    for candidate in (name, model_slug(name)):
-        if candidate in served:
-            return candidate
-    raise NotFound(
-        f"model '{name}' is not served by any live host; served models: "
-        f"{', '.join(served) or 'none'}",
-        {"field": "model", "served_models": served},
-    )
-
-
-def submit_job(context: ApiContext, job_request: JobRequest) -> JobRecord:
-    """Record the job, then send its task: a job the API accepted is never unknown. A pinned
-    job goes to its host's own queue, which only that host's worker consumes. Once
-    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
-    fill up."""
-    settings = context.settings
-    fleet = Fleet.load(context.store)
-    model = resolve_model(context, job_request.model, fleet)
-    queue = fleet.queue_for(model, job_request.host)
-    job = JobRecord(id=uuid.uuid4().hex, model=model, request=job_request)
-    depth = context.store.create_job(job, queue, settings.max_queued_jobs)
-    if depth >= settings.max_queued_jobs:
-        raise QueueFull(
-            f"{depth} jobs are waiting in {queue}, the most allowed "
-            f"(EXO_MAX_QUEUED_JOBS={settings.max_queued_jobs})",
-            retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
-        )
-    jobs.send(context.celery, settings, job)
-    return job
-
-
-def parse_job_request(context: ApiContext, body: dict[str, Any]) -> JobRequest:
-    settings = context.settings
-    caps = {
-        "max_tokens_cap": settings.max_tokens,
-        "max_prompt_chars": settings.max_prompt_chars,
-        "max_prompt_tokens": settings.max_prompt_tokens,
-        "max_stop_chars": settings.max_stop_chars,
-        "max_timeout_s": limits.max_timeout_s(settings),
-    }
-    return JobRequest.model_validate(body, context=caps)
-
-
 @bp.post("")
 def create_job() -> tuple[Response, int]:
     context = ctx()
-    job = submit_job(context, parse_job_request(context, json_body()))
+    job_request = jobs.parse_request(context.settings, json_body())
+    job = jobs.submit(context.store, context.celery, context.settings, job_request)
     return jsonify(summary(job)), 202
 
 
@@ -171,7 +84,7 @@ def stream_job(job_id: str) -> Response:
     store = ctx().store
 
     def events() -> Iterator[str]:
-        for item in follow_events(store, job_id, after):
+        for item in jobs.follow(store, job_id, after):
             if item is None:
                 yield KEEPALIVE
                 continue
@@ -181,7 +94,7 @@ def stream_job(job_id: str) -> Response:
                 if isinstance(event, DoneEvent)
                 else event.model_dump(exclude={"event"})
             )
-            yield f"id: {event_id}\nevent: {event.event}\ndata: {json.dumps(data)}\n\n"
+            yield sse_event(event_id, event.event, data)
 
     return sse_response(events())
 
@@ -200,32 +113,6 @@ def _resume_after() -> str:
             f"{field} '{shown}' is not a stream id (such as 1700000000000-0)", {"field": field}
         )
     return raw
-
-
-def follow_events(
-    store: Store, job_id: str, after: str = "0-0"
-) -> Iterator[tuple[str, JobEvent] | None]:
-    """A job's events after stream position `after`, up to its last (DoneEvent); None for
-    each second without one, so a streaming caller can write a keepalive. A reader that
-    resumed past the end of an ended job's stream gets its last event again."""
-    while True:
-        batch = store.read_events(job_id, after, block_ms=SSE_BLOCK_MS)
-        if not batch:
-            last = store.last_event(job_id)
-            if last is not None and isinstance(last[1], DoneEvent):
-                yield last
-                return
-            yield None
-        for event_id, event in batch:
-            after = event_id
-            yield event_id, event
-            if isinstance(event, DoneEvent):
-                return
-
-
-def sse_response(chunks: Iterator[str]) -> Response:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return Response(stream_with_context(chunks), mimetype="text/event-stream", headers=headers)
 
 
 @bp.post("/<job_id>/cancel")

@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from exo_tasks import metrics
 from exo_tasks.api.context import ctx
-from exo_tasks.api.fleet import Fleet
+from exo_tasks.fleet import Fleet
+from exo_tasks.naming import model_queue, runner_id_for
 from exo_tasks.store import Store
-from exo_tasks.types import model_queue, runner_id_for
 
 bp = Blueprint("metrics", __name__)
 

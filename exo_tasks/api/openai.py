@@ -16,20 +16,13 @@ from typing import Any, Protocol
 from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel
 
-from config.settings import model_slug
 from exo_tasks import jobs, limits
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.errors import openai_error_body
-from exo_tasks.api.fleet import Fleet, is_down
-from exo_tasks.api.jobs import (
-    KEEPALIVE,
-    follow_events,
-    json_body,
-    parse_job_request,
-    sse_response,
-    submit_job,
-)
+from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
 from exo_tasks.errors import ExoError, NotFound, RunnerGone, Unavailable
+from exo_tasks.fleet import Fleet, is_down
+from exo_tasks.naming import find_model, runner_id_for
 from exo_tasks.openai_types import (
     AssistantMessage,
     ChatChoice,
@@ -54,7 +47,6 @@ from exo_tasks.types import (
     JobStatus,
     RequeuedEvent,
     TokenEvent,
-    runner_id_for,
 )
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -140,7 +132,8 @@ def completions() -> Response:
 def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     context = ctx()
     body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
-    job = submit_job(context, parse_job_request(context, body.job_fields()))
+    job_request = jobs.parse_request(context.settings, body.job_fields())
+    job = jobs.submit(context.store, context.celery, context.settings, job_request)
     if body.stream:
         response = sse_response(
             _stream(context.store, job, renderer, include_usage=body.include_usage)
@@ -163,7 +156,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
     limit_s = limits.job_limits(job.request.timeout_s, settings).hard_s + WAIT_SLACK_S
     deadline = time.monotonic() + limit_s
     final: JobRecord | None = None
-    for item in follow_events(context.store, job.id):
+    for item in jobs.follow(context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
             final = item[1].job
         elif time.monotonic() > deadline:
@@ -195,7 +188,7 @@ def _stream(
     try:
         for opening in renderer.opening(job):
             yield _data(opening)
-        for item in follow_events(store, job.id):
+        for item in jobs.follow(store, job.id):
             if item is None:
                 yield KEEPALIVE
                 continue
@@ -241,11 +234,11 @@ def list_models() -> Response:
 
 @bp.get("/models/<path:model>")
 def get_model(model: str) -> Response:
-    cards = _served_models()
-    for card in cards:
-        if card.id in (model, model_slug(model)):
-            return jsonify(card.model_dump(mode="json"))
-    served = ", ".join(card.id for card in cards) or "none"
+    cards = {card.id: card for card in _served_models()}
+    found = find_model(model, cards)
+    if found is not None:
+        return jsonify(cards[found].model_dump(mode="json"))
+    served = ", ".join(cards) or "none"
     raise NotFound(f"model '{model}' is not served; served models: {served}", {"field": "model"})
 
 

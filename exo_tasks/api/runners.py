@@ -5,21 +5,19 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from config.celery import PRIORITY_LEVELS
-from config.settings import model_slug
 from exo_tasks.api.context import ctx
-from exo_tasks.api.jobs import json_body
-from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK
-from exo_tasks.errors import Conflict, NotFound
-from exo_tasks.types import (
+from exo_tasks.api.http import json_body
+from exo_tasks.api.models import (
     RunnerDetail,
     RunnerLoadBody,
     RunnerLoadReply,
     RunnerShutdownBody,
     RunnerShutdownReply,
-    RunnerState,
-    host_queue,
-    runner_id_for,
 )
+from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK
+from exo_tasks.errors import Conflict, NotFound
+from exo_tasks.naming import find_model, host_queue, runner_id_for
+from exo_tasks.types import RunnerState
 
 bp = Blueprint("runners", __name__, url_prefix="/v1/runners")
 
@@ -71,9 +69,7 @@ def load_runner() -> tuple[Response, int]:
     """Send `load_runner` to a host that serves the model and has its runner stopped."""
     context = ctx()
     body = RunnerLoadBody.model_validate(json_body())
-    runners = [
-        r for r in context.store.list_runners() if r.model in (body.model, model_slug(body.model))
-    ]
+    runners = [r for r in context.store.list_runners() if find_model(body.model, [r.model])]
     if body.host is not None:
         runners = [r for r in runners if r.id == runner_id_for(r.model, body.host)]
     if not runners:

@@ -211,7 +211,7 @@ class JobRecords(MetricRecords):
         for job in endings:
             # EVAL, not the registered script's EVALSHA: a pipeline would first ask whether the
             # script is loaded, one more round trip each time.
-            args = self._transition_args(lifecycle.ended(job))
+            args = self._transition_args(lifecycle.write_ending(job))
             pipe.eval(TRANSITION, 4, *transition_keys(job.id), *args)
             pipe.srem(runner_jobs_key(runner_id), job.id)
         replies = pipe.execute()

@@ -1,0 +1,48 @@
+"""The small HTTP helpers every blueprint shares: the JSON body, server-sent events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Response, request, stream_with_context
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from exo_tasks.errors import BadRequest, InvalidRequest
+
+KEEPALIVE = ": keepalive\n\n"
+
+
+def json_body(*, allow_empty: bool = False) -> dict[str, Any]:
+    """The request's JSON object; `allow_empty`: a missing body means `{}` (all defaults)."""
+    if not _whole_body() and allow_empty:
+        return {}
+    try:
+        body = request.get_json(silent=True)
+    except RecursionError:  # Python's JSON parser recurses once per level
+        raise BadRequest("the body is nested too deeply", {"field": None}) from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object", {"field": None})
+    return body
+
+
+def _whole_body() -> bytes:
+    """The request body. Werkzeug stops reading a body without Content-Length (chunked) at the
+    EXO_MAX_BODY_BYTES cap and hands over the part it read: a byte more means 413."""
+    data = request.get_data()
+    limit = request.max_content_length
+    unsized = request.content_length is None and limit is not None and len(data) >= limit
+    if unsized and request.environ["wsgi.input"].read(1):
+        raise RequestEntityTooLarge()
+    return data
+
+
+def sse_event(event_id: str, name: str, data: Any) -> str:
+    """One server-sent event: its id (a stream position, for Last-Event-ID), name and data."""
+    return f"id: {event_id}\nevent: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+def sse_response(chunks: Iterator[str]) -> Response:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return Response(stream_with_context(chunks), mimetype="text/event-stream", headers=headers)

@@ -1,0 +1,72 @@
+"""The bodies and replies of the runner, host and health routes (the job routes' are the wire
+models of exo_tasks.types, shared with the processes that run jobs)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from exo_tasks.types import RunnerState, StatusChange, WireModel
+
+
+class RunnerShutdownBody(WireModel):
+    mode: Literal["warm", "hard"] = "warm"
+    timeout_s: float | None = Field(None, ge=0, le=3600)
+
+
+class RunnerLoadBody(WireModel):
+    model: str
+    host: str | None = None
+
+
+class HostShutdownBody(WireModel):
+    mode: Literal["warm", "cold"] = "warm"
+
+
+class RunnerShutdownReply(BaseModel):
+    runner_id: str
+    task_id: str
+    mode: Literal["warm", "hard"]
+    timeout_s: float
+
+
+class RunnerLoadReply(BaseModel):
+    runner_id: str
+    task_id: str
+    host: str
+
+
+class HostShutdownReply(BaseModel):
+    host: str
+    mode: Literal["warm", "cold"]
+    reply: dict[str, str] | None = Field(None, description="The worker's own answer.")
+
+
+class HealthReply(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadinessReply(BaseModel):
+    status: Literal["ready", "no runner ready", "unavailable"]
+    redis: bool
+    ready_runners: list[str]
+
+
+class RunnerDetail(RunnerState):
+    """GET /v1/runners/<id>: the runner and its status changes, oldest first."""
+
+    history: list[StatusChange]
+
+
+class HostInfo(BaseModel):
+    """GET /v1/hosts: a live worker, as it answers Celery's inspect, with its runners and the
+    depth of each queue it consumes."""
+
+    name: str
+    node: str = Field(description="The Celery node name, exo@<host>.")
+    pid: int
+    concurrency: int | None = None
+    models: list[str]
+    runners: list[RunnerState]
+    queues: dict[str, int] = Field(description="Messages waiting in each queue it consumes.")

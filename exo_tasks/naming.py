@@ -1,0 +1,50 @@
+"""Every name the fleet builds from another: model slugs, runner ids, queue names and Celery
+node names. Pure: the API, the worker, the runners and the tests all ask here."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+NODE_PREFIX = "exo@"
+MODEL_QUEUE_PREFIX = "exo.model."
+HOST_QUEUE_PREFIX = "exo.host."
+
+
+def model_slug(model: str) -> str:
+    """A queue- and URL-safe name for a model path or hub id ('mlx-community/Qwen3' → 'qwen3')."""
+    name = Path(model.rstrip("/")).name or model
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
+
+
+def find_model(name: str, models: Iterable[str]) -> str | None:
+    """The first of `models` (slugs) that `name` names: by itself, or by its slug (a path or a
+    hub id names the model it would serve as)."""
+    names = (name, model_slug(name))
+    return next((model for model in models if model in names), None)
+
+
+def runner_id_for(model: str, host: str) -> str:
+    """A runner is named by what it serves and where: one per (model, host)."""
+    return f"{model}@{host}"
+
+
+def model_queue(model: str) -> str:
+    """The queue of a model's jobs, consumed by every live host serving it."""
+    return f"{MODEL_QUEUE_PREFIX}{model}"
+
+
+def host_queue(host: str) -> str:
+    """A host's own queue: jobs pinned to it, and its runner control tasks."""
+    return f"{HOST_QUEUE_PREFIX}{host}"
+
+
+def node_name(host: str) -> str:
+    """The Celery node name of a host's worker."""
+    return f"{NODE_PREFIX}{host}"
+
+
+def host_of_node(node: str) -> str | None:
+    """The host a Celery node name names, or None for a node that is not ours."""
+    return node.removeprefix(NODE_PREFIX) if node.startswith(NODE_PREFIX) else None
