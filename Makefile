@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck bench clean
+.PHONY: setup run test lint typecheck bench clean reliability-report
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ typecheck: setup
 
 test: lint typecheck
 	$(BIN)/pytest -q -ra --durations=10
+
+# The chaos suite writes its report to var/reports/ on every run; publish the last one.
+reliability-report:
+	test -f var/reports/reliability.md || { echo "no report yet: run the chaos suite (make test)"; exit 1; }
+	cp var/reports/reliability.md docs/reliability.md
 
 bench: setup
 	$(BIN)/python -m bench

@@ -2,7 +2,7 @@
 redis-server, the API under gunicorn as `exo-tasks api` runs it, one or more workers) and
 `python -m mlx_lm server` on the same model directory.
 
-Process handling is the test suite's (`tests/stack.py`): every process is started in its own
+Process handling is the test suite's (`tests/support/`): every process is started in its own
 session, remembered with its descendants, and killed by PID.
 """
 
@@ -18,18 +18,15 @@ import requests
 
 from exo_tasks.naming import model_slug
 from exo_tasks.store import Store
-from tests.stack import (
+from tests.support.processes import (
     EXO_TASKS,
     Processes,
     RedisServer,
-    Worker,
     free_port,
     start_redis,
-    start_worker,
-    wait_runner_ready,
     wait_until,
-    worker_env,
 )
+from tests.support.workers import Worker, start_worker, wait_runner_ready, worker_env
 
 START_TIMEOUT_S = 180.0
 # Pool children per worker: a full batch of 32 jobs plus room for control tasks, as by default.

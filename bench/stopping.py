@@ -26,7 +26,8 @@ from bench.load import prompt_for
 from bench.results import EXO, MLX_SERVER, Results
 from exo_tasks.naming import runner_id_for
 from exo_tasks.store import Store
-from tests.stack import start_worker, wait_runner_ready, wait_until
+from tests.support.processes import wait_until
+from tests.support.workers import start_worker, wait_runner_ready
 
 log = logging.getLogger("bench")
 SECTION = "stopping"

@@ -17,7 +17,7 @@ from bench.config import Config
 from bench.contenders import Lab, start_exo, start_mlx_server
 from bench.load import closed_loop, sequential
 from bench.results import EXO, MLX_SERVER, UNBATCHED, Results, percentile
-from tests.stack import Processes
+from tests.support.processes import Processes
 
 log = logging.getLogger("bench")
 CONTENDERS = (EXO, MLX_SERVER, UNBATCHED)

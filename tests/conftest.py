@@ -9,19 +9,34 @@ from typing import Any
 
 import pytest
 
-from config.settings import Settings
 from exo_tasks.store import Store
-from exo_tasks.types import RunnerState
-from tests.stack import (
-    Api,
+from tests.support import workers
+from tests.support.api import Api, api_settings
+from tests.support.processes import (
     Processes,
     RedisServer,
-    Worker,
+    free_port,
+    kill_tree,
     start_redis,
-    start_worker,
-    wait_runner_ready,
     wait_until,
 )
+from tests.support.workers import Worker, runner_state, start_worker, wait_runner, wait_runner_ready
+
+# Importable from here, as before tests/support/ existed.
+__all__ = [
+    "Api",
+    "Processes",
+    "RedisServer",
+    "Worker",
+    "api_settings",
+    "free_port",
+    "kill_tree",
+    "new_worker",
+    "runner_state",
+    "start_redis",
+    "wait_runner",
+    "wait_until",
+]
 
 
 @pytest.fixture(scope="session")
@@ -56,16 +71,6 @@ def redis_server(
 @pytest.fixture(scope="session")
 def store(redis_server: RedisServer) -> Store:
     return Store.from_url(redis_server.url)
-
-
-def api_settings(redis_url: str, models: list[Path], **overrides: Any) -> Settings:
-    return Settings(
-        redis_url=redis_url,
-        models=",".join(str(m) for m in models),
-        hostname="api-host",
-        _env_file=None,
-        **overrides,
-    )
 
 
 @dataclass
@@ -131,21 +136,6 @@ def fleet(
 LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
 
 
-def runner_state(store: Store, host: str) -> RunnerState:
-    state = store.get_runner(f"tiny@{host}")
-    assert state is not None
-    return state
-
-
-def wait_runner(store: Store, host: str, status: str, timeout_s: float) -> RunnerState:
-    state: RunnerState = wait_until(
-        lambda: (s := runner_state(store, host)).status == status and s,
-        timeout_s,
-        f"runner tiny@{host} {status}",
-    )
-    return state
-
-
 def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
     wait_until(
         lambda: stack.store.streamed_text(job_id)[1] >= at_least, 10, f"tokens of job {job_id}"
@@ -155,6 +145,7 @@ def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
 def new_worker(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, host: str, **settings: Any
 ) -> Worker:
-    worker = start_worker(processes, stack.redis.url, host, [tiny_model], tmp_path, **settings)
-    wait_runner_ready(stack.store, worker)
-    return worker
+    """A worker of a test's own on the session's Redis, serving the tiny model, ready."""
+    return workers.new_worker(
+        processes, stack.redis.url, stack.store, host, [tiny_model], tmp_path, **settings
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Stack, api_settings
-from tests.stack import Api
+from tests.support.api import Api
 
 TOKEN = "s3cret-token"
 GOOD = {"Authorization": f"Bearer {TOKEN}"}

@@ -15,8 +15,8 @@ import requests
 
 from exo_tasks.types import DoneEvent
 from tests.conftest import LONG, Stack, new_worker, runner_state, wait_tokens
-from tests.stack import Processes, wait_until
-from tests.test_openai import CHAT, HOST_A, client_for, job_of
+from tests.support.clients import CHAT, HOST_A, client_for, job_of
+from tests.support.processes import Processes, wait_until
 
 
 def cancel(stack: Stack, job_id: str) -> requests.Response:
@@ -108,7 +108,7 @@ def test_a_streaming_client_that_disconnects_cancels_its_job_within_1s(
     new_worker(stack, processes, tiny_model, tmp_path, "cx-cut")
     pid = runner_state(stack.store, "cx-cut").pid
     pinned = {"host": "cx-cut", "ignore_eos": True}
-    client = client_for(stack)
+    client = client_for(stack.api)
     streams: dict[str, Any] = {
         "chat": lambda: client.chat.completions.create(
             model="tiny", messages=CHAT, max_tokens=4000, stream=True, extra_body=pinned
@@ -160,12 +160,12 @@ def test_a_cancelled_or_timed_out_request_returns_its_text_as_length(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
     new_worker(stack, processes, tiny_model, tmp_path, "cx-map")
-    client = client_for(stack)
+    client = client_for(stack.api)
     request: dict[str, Any] = {"model": "tiny", "messages": CHAT, "max_tokens": 4000}
     timed = client.chat.completions.create(
         **request, extra_body={"host": "cx-map", "ignore_eos": True, "timeout_s": 1}
     )
-    assert job_of(stack, timed.id)["status"] == "timed_out"
+    assert job_of(stack.api, timed.id)["status"] == "timed_out"
     assert timed.choices[0].finish_reason == "length" and timed.choices[0].message.content
     assert timed.usage is not None and 0 < timed.usage.completion_tokens < 4000
 
@@ -182,10 +182,10 @@ def test_a_cancelled_or_timed_out_request_returns_its_text_as_length(
     wait_until(lambda: active_jobs(stack, "cx-map") == 1, 10, "the job to run")
     running_jobs = stack.api.get("/v1/jobs", params={"status": "running"}).json()
     (running,) = [job for job in running_jobs if job["runner_id"] == "tiny@cx-map"]
-    time.sleep(0.3)
+    wait_tokens(stack, running["id"])
     assert cancel(stack, running["id"]).status_code == 202
     waiter.join(timeout=3)
     (answer,) = answers
-    assert job_of(stack, answer.id)["status"] == "cancelled"
+    assert job_of(stack.api, answer.id)["status"] == "cancelled"
     assert answer.choices[0].finish_reason == "length" and answer.choices[0].message.content
     assert answer.usage is not None and 0 < answer.usage.completion_tokens < 4000

@@ -8,15 +8,9 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import Stack, api_settings
-from tests.stack import (
-    EXO_TASKS,
-    Api,
-    Processes,
-    exo_env,
-    start_worker,
-    wait_runner_ready,
-    wait_until,
-)
+from tests.support.api import Api
+from tests.support.processes import EXO_TASKS, Processes, exo_env, wait_until
+from tests.support.workers import start_worker, wait_runner_ready
 
 TOKEN = "cli-token"
 

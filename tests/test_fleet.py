@@ -11,7 +11,9 @@ from typing import Any
 
 from exo_tasks.modelgen import create_model
 from tests.conftest import Stack, TwoHosts, api_settings
-from tests.stack import Api, Processes, start_worker, wait_runner_ready, wait_until
+from tests.support.api import Api
+from tests.support.processes import Processes, wait_until
+from tests.support.workers import start_worker, wait_runner_ready
 
 LONG_ON_X = {
     "prompt": "long",

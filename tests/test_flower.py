@@ -11,7 +11,7 @@ import requests
 from celery.result import AsyncResult
 
 from tests.conftest import Stack, TwoHosts
-from tests.stack import EXO_TASKS, Processes, exo_env, free_port, wait_until
+from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
 
 AUTH = ("admin", "s3cret")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Stack
+from tests.support import sse
 
 PROMPTS = ["hello", "The quick brown fox", "a", "1234", "Once upon a time", "xyz", "Q:", "tea"]
 
@@ -30,21 +30,6 @@ def mlx_reference(tiny_model: Path) -> Any:
         return text
 
     return generate
-
-
-def sse_events(text: str) -> list[dict[str, Any]]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
-        if "event" in fields:
-            events.append(
-                {
-                    "id": fields.get("id"),
-                    "event": fields["event"],
-                    "data": json.loads(fields["data"]),
-                }
-            )
-    return events
 
 
 def test_submit_then_get_returns_output_usage_and_timings(stack: Stack) -> None:
@@ -88,7 +73,7 @@ def test_stream_delivers_every_token_then_done(stack: Stack) -> None:
     job_id = stack.api.submit(prompt="stream me", max_tokens=32, ignore_eos=True)
     response = stack.api.get(f"/v1/jobs/{job_id}/stream")
     assert response.headers["Content-Type"].startswith("text/event-stream")
-    events = sse_events(response.text)
+    events = sse.parse(response.text)
     tokens = [e for e in events if e["event"] == "token"]
     assert events[-1]["event"] == "done"
     final = events[-1]["data"]
@@ -100,8 +85,8 @@ def test_stream_delivers_every_token_then_done(stack: Stack) -> None:
 
 def test_stream_resumes_after_last_event_id(stack: Stack) -> None:
     job_id = stack.api.submit(prompt="resume", max_tokens=12, ignore_eos=True)
-    full = sse_events(stack.api.get(f"/v1/jobs/{job_id}/stream").text)
-    resumed = sse_events(
+    full = sse.parse(stack.api.get(f"/v1/jobs/{job_id}/stream").text)
+    resumed = sse.parse(
         stack.api.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": full[4]["id"]}).text
     )
     assert resumed == full[5:]

@@ -17,18 +17,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from exo_tasks.modelgen import create_model
 from exo_tasks.store import Store
 from tests.conftest import Stack
-from tests.stack import (
+from tests.support.processes import (
     EXO_TASKS,
     Processes,
     RedisServer,
-    Worker,
     exo_env,
     free_port,
-    start_worker,
     wait_http,
-    wait_runner_ready,
     wait_until,
 )
+from tests.support.workers import Worker, start_worker, wait_runner_ready
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 HISTOGRAMS = (

@@ -12,23 +12,15 @@ from typing import Any
 import openai
 import pytest
 from openai.types import Completion
-from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import Stack, new_worker, wait_tokens
-from tests.stack import Processes, wait_until
-
-HOST_A = {"host": "host-a"}  # the session host: kept off any test's own worker
-CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
-
-
-def client_for(stack: Stack) -> openai.OpenAI:
-    # No retries: a test must see the first answer, and a retried 500 would submit again.
-    return openai.OpenAI(base_url=stack.api.url + "/v1", api_key="unused", max_retries=0)
+from tests.support.clients import CHAT, HOST_A, client_for, job_of
+from tests.support.processes import Processes, wait_until
 
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    with client_for(stack) as client:
+    with client_for(stack.api) as client:
         yield client
 
 
@@ -37,19 +29,13 @@ def greedy_chat(**fields: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": CHAT, "temperature": 0, "extra_body": HOST_A, **fields}
 
 
-def job_of(stack: Stack, openai_id: str) -> dict[str, Any]:
-    """The exo job behind an OpenAI completion id (`chatcmpl-<job>` or `cmpl-<job>`)."""
-    job: dict[str, Any] = stack.api.get(f"/v1/jobs/{openai_id.split('-', 1)[1]}").json()
-    return job
-
-
 def test_chat_completion_is_a_job_through_the_queue(stack: Stack, client: openai.OpenAI) -> None:
     completion = client.chat.completions.create(**greedy_chat(max_tokens=24))
     assert completion.object == "chat.completion" and completion.id.startswith("chatcmpl-")
     assert completion.model == "tiny" and abs(completion.created - time.time()) < 60
     (choice,) = completion.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
-    job = job_of(stack, completion.id)
+    job = job_of(stack.api, completion.id)
     assert job["status"] == "succeeded" and job["runner_id"] == "tiny@host-a"
     assert choice.message.content == job["output"]["text"] and len(job["output"]["text"]) > 0
     usage = completion.usage
@@ -162,7 +148,7 @@ def test_each_job_keeps_its_own_sampling_inside_one_batch(
     with ThreadPoolExecutor(len(settings)) as pool:
         together = list(pool.map(run, settings))
     assert [c.choices[0].text for c in together] == alone
-    jobs = [job_of(stack, c.id) for c in together]
+    jobs = [job_of(stack.api, c.id) for c in together]
     # They shared the batch: every job started before any of them finished.
     assert max(j["started_at"] for j in jobs) < min(j["finished_at"] for j in jobs)
 
@@ -281,7 +267,7 @@ def test_a_failed_job_is_an_openai_error_streamed_or_not(
         "max_tokens": 4000,
         "extra_body": {"host": "oa-fail", "ignore_eos": True},
     }
-    client = client_for(stack)
+    client = client_for(stack.api)
     errors: list[openai.APIStatusError] = []
 
     def whole() -> None:
@@ -314,7 +300,7 @@ def test_a_stream_whose_job_is_requeued_midway_ends_in_an_error_and_cancels_the_
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
     new_worker(stack, processes, tiny_model, tmp_path, "oa-requeue")
-    stream = client_for(stack).completions.create(
+    stream = client_for(stack.api).completions.create(
         model="tiny",
         prompt="requeue me",
         max_tokens=4000,

@@ -11,7 +11,7 @@ from openapi_spec_validator import validate
 
 from exo_tasks.types import JobRequest
 from tests.conftest import Stack, api_settings
-from tests.stack import Api
+from tests.support.api import Api
 
 METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 

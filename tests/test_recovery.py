@@ -21,7 +21,7 @@ from exo_tasks.naming import host_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.types import JobRecord, JobRequest
 from tests.conftest import Stack, new_worker, runner_state, wait_tokens
-from tests.stack import Processes, wait_until
+from tests.support.processes import Processes, wait_until
 
 # A job long enough to be in flight when the worker dies, short enough to finish quickly after.
 MEDIUM = {"prompt": "medium", "max_tokens": 600, "ignore_eos": True}

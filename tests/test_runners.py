@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.conftest import Stack, api_settings
-from tests.stack import Api, Processes, free_port, start_worker, wait_runner_ready
+from tests.support.api import Api
+from tests.support.processes import Processes, free_port
+from tests.support.workers import start_worker, wait_runner_ready
 
 
 def test_runners_list_shows_status_pid_host_and_model(stack: Stack) -> None:

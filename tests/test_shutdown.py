@@ -28,7 +28,8 @@ from tests.conftest import (
     wait_runner,
     wait_tokens,
 )
-from tests.stack import Api, Processes, wait_until
+from tests.support.api import Api
+from tests.support.processes import Processes, wait_until
 
 
 def test_idle_warm_shutdown_is_done_within_2s_and_load_starts_it_again(
@@ -322,7 +323,7 @@ def test_cold_worker_shutdown_requeues_in_flight_jobs_never_succeeding_them(
         assert response.status_code == 202
     else:
         worker.process.send_signal(signal.SIGINT)  # warm: the job keeps running
-        time.sleep(0.5)
+        wait_until(lambda: "Warm shutdown" in worker.log_text(), 5, "the warm shutdown")
         assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
         worker.process.send_signal(signal.SIGINT)  # cold
     worker.process.wait(timeout=15)

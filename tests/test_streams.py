@@ -2,29 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from typing import Any
 
-import requests
-
 from tests.conftest import Stack
-from tests.test_jobs import sse_events
-from tests.test_openai import HOST_A
-
-
-def read_events(response: requests.Response) -> Iterator[dict[str, Any]]:
-    """Events of an open SSE response as they arrive (keepalive comments skipped)."""
-    fields: dict[str, str] = {}
-    for line in response.iter_lines(decode_unicode=True):
-        if line:
-            name, _, value = line.partition(": ")
-            fields[name] = value
-        elif "event" in fields:
-            yield {"id": fields["id"], "event": fields["event"], "data": json.loads(fields["data"])}
-            fields = {}
-        else:
-            fields = {}
+from tests.support import sse
+from tests.support.clients import HOST_A
 
 
 def test_a_client_that_connects_after_the_job_finished_gets_the_whole_stream(
@@ -33,7 +15,7 @@ def test_a_client_that_connects_after_the_job_finished_gets_the_whole_stream(
     job = stack.api.wait_job(
         stack.api.submit(prompt="late", max_tokens=30, ignore_eos=True, **HOST_A)
     )
-    events = sse_events(stack.api.get(f"/v1/jobs/{job['id']}/stream").text)
+    events = sse.parse(stack.api.get(f"/v1/jobs/{job['id']}/stream").text)
     tokens = [e["data"] for e in events if e["event"] == "token"]
     assert [t["index"] for t in tokens] == list(range(30))
     assert "".join(t["text"] for t in tokens) == job["output"]["text"]
@@ -44,7 +26,7 @@ def test_a_stream_resumed_mid_run_loses_and_repeats_nothing(stack: Stack) -> Non
     job_id = stack.api.submit(prompt="resume", max_tokens=1500, ignore_eos=True, **HOST_A)
     first = stack.api.get(f"/v1/jobs/{job_id}/stream", stream=True)
     seen: list[dict[str, Any]] = []
-    for event in read_events(first):
+    for event in sse.read(first):
         seen.append(event)
         if len(seen) == 25:
             break
@@ -54,7 +36,7 @@ def test_a_stream_resumed_mid_run_loses_and_repeats_nothing(stack: Stack) -> Non
     resumed = stack.api.get(
         f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": seen[-1]["id"]}, stream=True
     )
-    rest = list(read_events(resumed))
+    rest = list(sse.read(resumed))
     events = seen + rest
     assert events[-1]["event"] == "done"
     job = events[-1]["data"]

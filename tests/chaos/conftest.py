@@ -1,58 +1,13 @@
-"""The chaos suite's report: each case records what it broke and what it observed, and the
-session writes the figures to docs/reliability.md."""
+"""The chaos suite's report fixture: the session writes what its cases recorded to
+tests.support.report.REPORT (untracked; `make reliability-report` publishes it)."""
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 
-REPORT = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
-
-
-@dataclass
-class Case:
-    name: str
-    jobs: int
-    faults: str
-    lost: int
-    bounds: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Report:
-    cases: list[Case] = field(default_factory=list)
-
-    def add(self, case: Case) -> None:
-        self.cases.append(case)
-
-    def markdown(self) -> str:
-        rows = "\n".join(
-            f"| {c.name} | {c.jobs} | {c.faults} | {c.lost} | {'; '.join(c.bounds)} |"
-            for c in self.cases
-        )
-        total = sum(c.jobs for c in self.cases)
-        lost = sum(c.lost for c in self.cases)
-        when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        return (
-            "# Reliability: what the chaos suite broke, and what it observed\n\n"
-            "Written by `tests/chaos/` on every `make test` "
-            f"(last run {when}, {platform.system()} {platform.machine()}, "
-            f"{len(self.cases)} cases). Every case runs real redis-server, worker, runner and "
-            "API processes and breaks them with real signals.\n\n"
-            f"**Jobs accepted: {total}. Lost: {lost}.**\n\n"
-            "| case | jobs | faults injected | lost | bounds observed |\n"
-            "| --- | --- | --- | --- | --- |\n"
-            f"{rows}\n\n"
-            "kombu's Redis transport pops a message (BRPOP) before it records it as "
-            "unacknowledged, so a worker SIGKILLed in between loses the message itself; the "
-            "recovery loop sends a queued job whose message is nowhere again (see "
-            "docs/shutdown.md). The kill -9 case kills while messages are being fetched.\n"
-        )
+from tests.support.report import REPORT, Report
 
 
 @pytest.fixture(scope="session")
@@ -60,4 +15,5 @@ def reliability() -> Iterator[Report]:
     report = Report()
     yield report
     if report.cases:
+        REPORT.parent.mkdir(parents=True, exist_ok=True)
         REPORT.write_text(report.markdown())

@@ -23,22 +23,20 @@ import requests
 
 from exo_tasks.store import Store
 from exo_tasks.types import TERMINAL_JOB_STATUSES
-from tests.chaos.conftest import Case, Report
 from tests.conftest import api_settings
-from tests.stack import (
+from tests.support.api import Api
+from tests.support.processes import (
     EXO_TASKS,
-    Api,
     Processes,
     RedisServer,
-    Worker,
     exo_env,
     free_port,
     start_redis,
-    start_worker,
     wait_http,
-    wait_runner_ready,
     wait_until,
 )
+from tests.support.report import Case, Report
+from tests.support.workers import Worker, start_worker, wait_runner_ready
 
 
 @dataclass
@@ -252,7 +250,7 @@ def test_streaming_clients_get_an_error_when_the_runner_dies(
     readers = [threading.Thread(target=follow, args=(i,), daemon=True) for i in ids]
     for reader in readers:
         reader.start()
-    time.sleep(0.3)
+    wait_until(lambda: all(i in last_events for i in ids), 10, "every stream to have begun")
     pid = chaos.store.get_runner("tiny@chaos-stream").pid  # type: ignore[union-attr]
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]

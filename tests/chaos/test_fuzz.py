@@ -16,9 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.core.result import Err, Ok
 
 from exo_tasks.store import Store
-from tests.chaos.conftest import Case, Report
 from tests.conftest import api_settings
-from tests.stack import Api, Processes, start_redis, start_worker, wait_runner_ready
+from tests.support.api import Api
+from tests.support.processes import Processes, start_redis
+from tests.support.report import Case, Report
+from tests.support.workers import start_worker, wait_runner_ready
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 

@@ -23,9 +23,10 @@ from exo_tasks import engine as engine_module
 from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
 from exo_tasks.store import events_key, job_key, runner_key
 from exo_tasks.types import HostState, JobRecord, JobRequest, SubmitJob, utcnow
-from tests.chaos.conftest import Case, Report
 from tests.conftest import Stack, api_settings, runner_state
-from tests.stack import Api, Processes, start_redis
+from tests.support.api import Api
+from tests.support.processes import Processes, start_redis
+from tests.support.report import Case, Report
 
 JSON = {"Content-Type": "application/json"}
 RUNNER = "tiny@host-a"

@@ -1,0 +1,141 @@
+"""Real processes for tests and benchmarks: redis-server, `exo-tasks` commands, and the waits
+around them. Every process started here is remembered with its descendants and stopped by PID
+at teardown, even when the test failed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+
+from config.settings import Settings
+from exo_tasks.redis_server import redis_server_argv, wait_for_redis
+
+EXO_TASKS = str(Path(sys.executable).parent / "exo-tasks")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(
+    condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05
+) -> Any:
+    """Poll until `condition()` is truthy; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        parent = psutil.Process(pid)
+        procs = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+    psutil.wait_procs(procs, timeout=10)
+
+
+@dataclass
+class Processes:
+    """Every process a test started, for teardown by PID."""
+
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    extra_pids: set[int] = field(default_factory=set)
+
+    def start(
+        self, argv: list[str], env: dict[str, str], log_path: Path
+    ) -> subprocess.Popen[bytes]:
+        log = log_path.open("ab")
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.started.append(proc)
+        return proc
+
+    def remember_descendants(self) -> None:
+        for proc in self.started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self.extra_pids.update(c.pid for c in psutil.Process(proc.pid).children(True))
+
+    def stop_all(self) -> None:
+        self.remember_descendants()
+        for proc in reversed(self.started):
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+        for pid in self.extra_pids:
+            kill_tree(pid)
+
+
+@dataclass
+class RedisServer:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+
+
+DEFAULT_MAXMEMORY_MB: int = Settings.model_fields["redis_maxmemory_mb"].default
+
+
+def start_redis(
+    processes: Processes,
+    data_dir: Path,
+    port: int | None = None,
+    maxmemory_mb: int = DEFAULT_MAXMEMORY_MB,
+) -> RedisServer:
+    """A real redis-server as the stack runs it; again on `port` and `data_dir` to restart it."""
+    port = port or free_port()
+    argv = redis_server_argv(port, data_dir, maxmemory_mb)
+    proc = processes.start(argv, dict(os.environ), data_dir / "redis.log")
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_for_redis(url, timeout_s=10)
+    return RedisServer(url=url, port=port, process=proc)
+
+
+def exo_env(**settings: Any) -> dict[str, str]:
+    """This environment without its own EXO_ settings, plus `settings` as EXO_ variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_")}
+    env.update({f"EXO_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+def wait_http(
+    url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 30
+) -> None:
+    """Wait until `url` answers 200; fail at once, with the log, if `process` exits first."""
+
+    def answers() -> bool:
+        assert process.poll() is None, log_path.read_text(errors="replace")[-3000:]
+        try:
+            return requests.get(url, timeout=1).status_code == 200
+        except (requests.ConnectionError, requests.Timeout):
+            return False
+
+    wait_until(answers, timeout_s, url, interval_s=0.2)

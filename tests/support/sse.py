@@ -1,0 +1,40 @@
+"""The one reader of server-sent events the tests use, for a whole body or an open stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import requests
+
+
+def events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """Events as they arrive, each `{"id", "event", "data"}` with its data parsed from JSON;
+    comments (keepalives) and blocks without an `event:` (OpenAI's `data:` chunks) skipped."""
+    fields: dict[str, str] = {}
+    for line in lines:
+        if line:
+            name, _, value = line.partition(": ")
+            fields[name] = value
+        elif "event" in fields:
+            yield {
+                "id": fields.get("id"),
+                "event": fields["event"],
+                "data": json.loads(fields["data"]),
+            }
+            fields = {}
+        else:
+            fields = {}
+    if "event" in fields:  # a body cut right after its last line
+        yield {"id": fields.get("id"), "event": fields["event"], "data": json.loads(fields["data"])}
+
+
+def parse(text: str) -> list[dict[str, Any]]:
+    """Every event of a whole SSE body."""
+    return list(events(text.splitlines()))
+
+
+def read(response: requests.Response) -> Iterator[dict[str, Any]]:
+    """The events of an open SSE response, as they arrive."""
+    return events(response.iter_lines(decode_unicode=True))
