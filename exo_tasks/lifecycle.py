@@ -86,9 +86,7 @@ def write_ending(job: JobRecord) -> Move:
 
 def cancel_queued(job: JobRecord) -> Move:
     """A job no runner has taken: it ends at once and never runs."""
-    final = job.ended(
-        JobStatus.CANCELLED, text="", finish_reason="cancelled", completion_tokens=0
-    )
+    final = job.ended(JobStatus.CANCELLED, text="", finish_reason="cancelled", completion_tokens=0)
     return Move(final, (QUEUED,))
 
 

@@ -152,10 +152,13 @@ def _exit_with_parent() -> None:
 
 
 class Runner:
-    def __init__(self, spec: RunnerSpec, progress: RunnerProgress) -> None:
+    def __init__(
+        self, spec: RunnerSpec, progress: RunnerProgress, store: Store | None = None
+    ) -> None:
+        """`store`: the spec's own Redis unless given (a unit test's)."""
         self.spec = spec
         self.progress = progress
-        self.store = Store.from_url(spec.redis_url, job_ttl_s=spec.job_ttl_s)
+        self.store = store or Store.from_url(spec.redis_url, job_ttl_s=spec.job_ttl_s)
         self.state = RunnerState(
             id=spec.runner_id,
             host=spec.host,

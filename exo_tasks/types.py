@@ -35,7 +35,6 @@ SEED_LIMIT = 1 << 64
 # Every chat template marks each message (its role at least) with one token or more, so a
 # request with more messages than the prompt token cap is over it, whatever the tokenizer.
 MIN_TOKENS_PER_MESSAGE = 1
-SUMMARY_TEXT_CHARS = 256
 
 
 def utcnow() -> datetime:
@@ -268,31 +267,6 @@ class JobRecord(BaseModel):
                 "error": error,
             }
         )
-
-
-class JobOptions(SamplingParams):
-    """What a job asked for but its prompt or messages (JobRequest's other fields)."""
-
-    model: str | None = None
-    host: str | None = None
-    priority: Priority = "normal"
-    timeout_s: float | None = None
-
-
-class JobSummary(JobRecord):
-    """A job without its prompt or messages, its output text cut to SUMMARY_TEXT_CHARS: what
-    the job list and a submission answer, so neither sends megabytes back (GET /v1/jobs/<id>
-    has it all)."""
-
-    request: JobOptions  # type: ignore[assignment]  # a summary's request has no prompt
-
-    @classmethod
-    def of(cls, job: JobRecord) -> JobSummary:
-        options = JobOptions.model_construct(
-            **job.request.model_dump(exclude={"prompt", "messages"})
-        )
-        output = job.output.model_copy(update={"text": job.output.text[:SUMMARY_TEXT_CHARS]})
-        return cls.model_construct(**(dict(job) | {"request": options, "output": output}))
 
 
 def _ms(delta: timedelta) -> float:

@@ -12,8 +12,9 @@ from flask import Blueprint, Response, jsonify, request
 from exo_tasks import jobs
 from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
+from exo_tasks.api.models import JobSummary
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
-from exo_tasks.types import DoneEvent, JobRecord, JobStatus, JobSummary
+from exo_tasks.types import DoneEvent, JobRecord, JobStatus
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 MAX_LIST_LIMIT = 1000

@@ -1,5 +1,6 @@
-"""The bodies and replies of the runner, host and health routes (the job routes' are the wire
-models of exo_tasks.types, shared with the processes that run jobs)."""
+"""The bodies and replies of the HTTP routes that no other process reads: job summaries, the
+runner, host and health routes' (a job's request and record are wire models of
+exo_tasks.types, shared with the processes that run jobs)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from exo_tasks.types import RunnerState, StatusChange, WireModel
+from exo_tasks.types import (
+    JobRecord,
+    Priority,
+    RunnerState,
+    SamplingParams,
+    StatusChange,
+    WireModel,
+)
+
+SUMMARY_TEXT_CHARS = 256
 
 
 class RunnerShutdownBody(WireModel):
@@ -70,3 +80,28 @@ class HostInfo(BaseModel):
     models: list[str]
     runners: list[RunnerState]
     queues: dict[str, int] = Field(description="Messages waiting in each queue it consumes.")
+
+
+class JobOptions(SamplingParams):
+    """What a job asked for but its prompt or messages (JobRequest's other fields)."""
+
+    model: str | None = None
+    host: str | None = None
+    priority: Priority = "normal"
+    timeout_s: float | None = None
+
+
+class JobSummary(JobRecord):
+    """A job without its prompt or messages, its output text cut to SUMMARY_TEXT_CHARS: what
+    the job list and a submission answer, so neither sends megabytes back (GET /v1/jobs/<id>
+    has it all)."""
+
+    request: JobOptions  # type: ignore[assignment]  # a summary's request has no prompt
+
+    @classmethod
+    def of(cls, job: JobRecord) -> JobSummary:
+        options = JobOptions.model_construct(
+            **job.request.model_dump(exclude={"prompt", "messages"})
+        )
+        output = job.output.model_copy(update={"text": job.output.text[:SUMMARY_TEXT_CHARS]})
+        return cls.model_construct(**(dict(job) | {"request": options, "output": output}))

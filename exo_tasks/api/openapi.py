@@ -20,6 +20,7 @@ from exo_tasks.api.models import (
     HostInfo,
     HostShutdownBody,
     HostShutdownReply,
+    JobSummary,
     ReadinessReply,
     RunnerDetail,
     RunnerLoadBody,
@@ -39,7 +40,6 @@ from exo_tasks.types import (
     JobRecord,
     JobRequest,
     JobStatus,
-    JobSummary,
     RunnerState,
 )
 

@@ -22,7 +22,6 @@ from exo_tasks.store.keys import (
     endings_key,
     events_key,
     job_key,
-    runner_jobs_key,
     runner_key,
     transition_keys,
 )
@@ -213,7 +212,7 @@ class JobRecords(MetricRecords):
             # script is loaded, one more round trip each time.
             args = self._transition_args(lifecycle.write_ending(job))
             pipe.eval(TRANSITION, 4, *transition_keys(job.id), *args)
-            pipe.srem(runner_jobs_key(runner_id), job.id)
+            pipe.srem(runner_key(runner_id, "jobs"), job.id)
         replies = pipe.execute()
         observations.clear()
         written = replies[len(replies) - 2 * len(endings) :: 2]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 PREFIX = "exo"
 
 # Job ids, scored by creation time (the job list), and the ids of the jobs queued or running.
@@ -12,19 +14,24 @@ HOSTS = f"{PREFIX}:hosts"
 RECOVERY_LEASE = f"{PREFIX}:recovery:lease"
 
 
-def job_key(job_id: str) -> str:
-    """A hash: `status`, `record` (JSON), `queue`, `owner`, `runner`, `cancel`."""
-    return f"{PREFIX}:job:{job_id}"
+JobStream = Literal["events", "endings"]
+RunnerPart = Literal["jobs", "inbox", "history"]
+
+
+def job_key(job_id: str, stream: JobStream | None = None) -> str:
+    """The job's hash (`status`, `record`, `queue`, `owner`, `runner`, `cancel`), or one of its
+    streams: `events` (every token, requeue and ending), `endings` (how each attempt ended:
+    what a task waits on)."""
+    key = f"{PREFIX}:job:{job_id}"
+    return key if stream is None else f"{key}:{stream}"
 
 
 def events_key(job_id: str) -> str:
-    """A stream: every token, requeue and ending of the job."""
-    return f"{PREFIX}:job:{job_id}:events"
+    return job_key(job_id, "events")
 
 
 def endings_key(job_id: str) -> str:
-    """A stream: only how each attempt ended (what a task waits on)."""
-    return f"{PREFIX}:job:{job_id}:endings"
+    return job_key(job_id, "endings")
 
 
 def transition_keys(job_id: str) -> list[str]:
@@ -32,24 +39,15 @@ def transition_keys(job_id: str) -> list[str]:
     return [job_key(job_id), events_key(job_id), endings_key(job_id), ACTIVE_JOBS]
 
 
-def runner_key(runner_id: str) -> str:
-    return f"{PREFIX}:runner:{runner_id}"
-
-
-def runner_jobs_key(runner_id: str) -> str:
-    """A set: the jobs handed to the runner and not yet ended."""
-    return f"{runner_key(runner_id)}:jobs"
-
-
-def runner_inbox_key(runner_id: str) -> str:
-    return f"{runner_key(runner_id)}:inbox"
-
-
-def runner_history_key(runner_id: str) -> str:
-    return f"{runner_key(runner_id)}:history"
+def runner_key(runner_id: str, part: RunnerPart | None = None) -> str:
+    """The runner's state (JSON), or one of its parts: the `jobs` handed to it and not yet
+    ended (a set), its `inbox` of commands and its status `history` (lists)."""
+    key = f"{PREFIX}:runner:{runner_id}"
+    return key if part is None else f"{key}:{part}"
 
 
 def host_key(host: str) -> str:
+    """The host's heartbeat (JSON, expiring)."""
     return f"{PREFIX}:host:{host}"
 
 

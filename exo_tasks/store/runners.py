@@ -13,9 +13,6 @@ from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
     RUNNERS,
     job_key,
-    runner_history_key,
-    runner_inbox_key,
-    runner_jobs_key,
     runner_key,
 )
 from exo_tasks.types import (
@@ -82,8 +79,8 @@ class RunnerRecords(JobRecords):
         pipe.sadd(RUNNERS, state.id)
         if status_changed:
             change = StatusChange(status=state.status, at=state.updated_at, error=state.error)
-            pipe.lpush(runner_history_key(state.id), change.model_dump_json())
-            pipe.ltrim(runner_history_key(state.id), 0, RUNNER_HISTORY_KEPT - 1)
+            pipe.lpush(runner_key(state.id, "history"), change.model_dump_json())
+            pipe.ltrim(runner_key(state.id, "history"), 0, RUNNER_HISTORY_KEPT - 1)
         pipe.execute()
 
     def get_runner(self, runner_id: str) -> RunnerState | None:
@@ -96,7 +93,7 @@ class RunnerRecords(JobRecords):
         return [RunnerState.model_validate_json(raw) for raw in raws if raw]
 
     def runner_history(self, runner_id: str) -> list[StatusChange]:
-        raws = self.redis.lrange(runner_history_key(runner_id), 0, -1)
+        raws = self.redis.lrange(runner_key(runner_id, "history"), 0, -1)
         return [StatusChange.model_validate_json(raw) for raw in reversed(raws)]
 
     # --- a runner's inbox and the jobs handed to it ---
@@ -106,7 +103,7 @@ class RunnerRecords(JobRecords):
         it in the runner's inbox, in one step: the runner starts it without a write of its own.
         False if the job is no longer queued."""
         job = command.job
-        keys = [job_key(job.id), runner_jobs_key(runner_id), runner_inbox_key(runner_id)]
+        keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
         args = [
             job.model_dump_json(),
             job.id,
@@ -119,12 +116,12 @@ class RunnerRecords(JobRecords):
         return bool(self.script(HAND_OVER)(keys=keys, args=args))
 
     def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
-        self.redis.rpush(runner_inbox_key(runner_id), command.model_dump_json())
+        self.redis.rpush(runner_key(runner_id, "inbox"), command.model_dump_json())
 
     def next_runner_command(
         self, runner_id: str, timeout_s: float
     ) -> RunnerCommand | UnreadableCommand | None:
-        reply = self.redis.blpop([runner_inbox_key(runner_id)], timeout=timeout_s)
+        reply = self.redis.blpop([runner_key(runner_id, "inbox")], timeout=timeout_s)
         if not reply:
             return None
         try:
@@ -133,18 +130,18 @@ class RunnerRecords(JobRecords):
             return UnreadableCommand.of(reply[1], exc)
 
     def release_job(self, runner_id: str, job_id: str) -> None:
-        self.redis.srem(runner_jobs_key(runner_id), job_id)
+        self.redis.srem(runner_key(runner_id, "jobs"), job_id)
 
     def take_runner_jobs(self, runner_id: str) -> list[str]:
         """The jobs handed to a runner that is gone; its unread inbox is dropped."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.smembers(runner_jobs_key(runner_id))
-        pipe.delete(runner_jobs_key(runner_id), runner_inbox_key(runner_id))
+        pipe.smembers(runner_key(runner_id, "jobs"))
+        pipe.delete(runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox"))
         job_ids, _ = pipe.execute()
         return sorted(job_ids)
 
     def runner_jobs(self, runner_id: str) -> list[str]:
-        return sorted(self.redis.smembers(runner_jobs_key(runner_id)))
+        return sorted(self.redis.smembers(runner_key(runner_id, "jobs")))
 
     def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
         return [j for j in self.take_runner_jobs(runner_id) if self.fail_job(j, error)]
@@ -156,6 +153,6 @@ class RunnerRecords(JobRecords):
         """How many jobs each runner holds (handed over and not yet ended)."""
         pipe = self.redis.pipeline(transaction=False)
         for runner_id in runner_ids:
-            pipe.scard(runner_jobs_key(runner_id))
+            pipe.scard(runner_key(runner_id, "jobs"))
         counts: list[int] = pipe.execute()
         return counts
