@@ -21,7 +21,7 @@ import psutil
 import pytest
 import requests
 
-from exo_tasks.launcher import PROCFILE
+from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
 from exo_tasks.store import Store
 from exo_tasks.types import RunnerState, model_queue, runner_id_for
 from tests.stack import (
@@ -286,3 +286,29 @@ def test_a_missing_model_path_fails_the_runner_for_good(
     again = store.get_runner(runner_id)
     assert again is not None and again.status == "Failed" and again.restarts == 0
     assert worker.process.poll() is None
+
+
+def test_down_stops_the_processes_of_a_launcher_that_is_gone(
+    local_stack: LocalStack, processes: Processes, tmp_path: Path
+) -> None:
+    members = {
+        name: processes.start(["sleep", "60"], local_stack.env, tmp_path / f"{name}.log")
+        for name in ("redis", "api", "worker", "flower")
+    }
+    record = StackRecord(
+        # A pid above the kernel's limit: a launcher that is surely gone.
+        launcher=RecordedProcess(name="launcher", pid=2**22 + 1, create_time=0.0),
+        processes=[RecordedProcess.of(n, psutil.Process(p.pid)) for n, p in members.items()],
+    )
+    path = local_stack.data_dir / "run" / "stack.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(record.model_dump_json())
+    down = subprocess.run(
+        [EXO_TASKS, "down"], env=local_stack.env, capture_output=True, text=True, timeout=30
+    )
+    assert down.returncode == 0, down.stderr
+    assert "is gone; stopping what is left of its stack" in down.stdout
+    assert f"worker (pid {members['worker'].pid})" in down.stdout
+    for process in members.values():
+        assert process.wait(timeout=2) == -signal.SIGTERM
+    assert not path.exists()
