@@ -78,22 +78,24 @@ def read_procfile(path: Path = PROCFILE) -> list[ProcfileEntry]:
 class Member:
     """One process of the stack: the launcher's own child, or one recorded in the stack file."""
 
-    def __init__(self, name: str, process: psutil.Process) -> None:
+    def __init__(self, name: str, process: psutil.Process, *, own_child: bool = False) -> None:
         self.name = name
         self.process = process
+        self.own_child = own_child
         self.exitcode: int | None = None
         self.gone = False
 
     def alive(self) -> bool:
         if self.gone:
             return False
-        try:
-            self.exitcode = self.process.wait(timeout=0)  # reaps it when it is our child
-        except psutil.TimeoutExpired:
-            if still_running(self.process):
-                return True
-            with contextlib.suppress(psutil.TimeoutExpired):  # it just exited: reap it if ours
+        if self.own_child:
+            # Reaped here. (Its status can read "zombie" while its other threads still exit.)
+            try:
                 self.exitcode = self.process.wait(timeout=0)
+            except psutil.TimeoutExpired:
+                return True
+        elif still_running(self.process):
+            return True
         self.gone = True
         return False
 
@@ -277,7 +279,7 @@ class Launcher:
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        self.members.append(Member(entry.name, psutil.Process(popen.pid)))
+        self.members.append(Member(entry.name, psutil.Process(popen.pid), own_child=True))
         log.info("started", extra={"child": entry.name, "pid": popen.pid})
         assert popen.stdout is not None
         return popen.stdout

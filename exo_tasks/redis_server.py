@@ -21,8 +21,8 @@ from exo_tasks.types import HostState
 
 log = logging.getLogger("exo_tasks.redis")
 POLL_S = 0.05
-# A worker in a stack stops within EXO_STACK_DRAIN_S (1.5) + ~2 s (measured), and Redis, stopped
-# then, is gone well before honcho's SIGKILL, 5 s after its SIGTERM.
+# A worker in a stack stops within EXO_STACK_DRAIN_S (1 s) + 1.5 to 3 s (measured); Redis, stopped
+# then, is gone before honcho's SIGKILL, 5 s after its SIGTERM.
 WORKER_WAIT_S = 4.0
 SERVER_STOP_S = 3.0
 
