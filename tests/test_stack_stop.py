@@ -8,11 +8,18 @@ Every stop must leave no process behind and lose no job: jobs in flight go back 
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
+import select
 import signal
 import socket
 import subprocess
 import sys
+import termios
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +74,23 @@ class LocalStack:
     def up(self) -> subprocess.Popen[bytes]:
         return self.start([EXO_TASKS, "up"])
 
+    def up_in_terminal(self) -> Terminal:
+        """`exo-tasks up` as in a terminal: a pty is its controlling terminal."""
+        terminal = Terminal(self.log_path)
+        self.process = subprocess.Popen(
+            [EXO_TASKS, "up"],
+            env=self.env,
+            stdin=terminal.slave,
+            stdout=terminal.slave,
+            stderr=terminal.slave,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
+        self.processes.started.append(self.process)
+        os.close(terminal.slave)
+        wait_http(self.api + "/readyz", self.process, self.log_path, timeout_s=90)
+        return terminal
+
     def store(self) -> Store:
         return Store.from_url(f"redis://127.0.0.1:{self.redis_port}/0")
 
@@ -98,6 +122,32 @@ class LocalStack:
         return self.log_path.read_text(errors="replace")
 
 
+class Terminal:
+    """A pseudo-terminal whose output is copied to a log until it is closed."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.master, self.slave = pty.openpty()
+        self.closing = threading.Event()
+        self.reader = threading.Thread(target=self._copy, args=(log_path,), daemon=True)
+        self.reader.start()
+
+    def _copy(self, log_path: Path) -> None:
+        with log_path.open("ab") as log:
+            while not self.closing.is_set():
+                if select.select([self.master], [], [], 0.1)[0]:
+                    try:
+                        log.write(os.read(self.master, 65536))
+                    except OSError:  # EIO: no process has the terminal open any more
+                        return
+                    log.flush()
+
+    def close(self) -> None:
+        """As when its window is closed: the session leader gets SIGHUP, writes get EIO."""
+        self.closing.set()
+        self.reader.join(timeout=2)
+        os.close(self.master)
+
+
 @pytest.fixture
 def local_stack(processes: Processes, tmp_path: Path) -> LocalStack:
     data_dir = tmp_path / "var"
@@ -126,13 +176,18 @@ def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def stop_and_time(
-    stack: LocalStack, signals: list[signal.Signals], bound_s: float, gap_s: float = 0.3
+    stack: LocalStack,
+    signals: list[signal.Signals],
+    bound_s: float,
+    gap_s: float = 0.3,
+    before: Callable[[], None] = lambda: None,
 ) -> float:
-    """Send `signals` to the launcher (`gap_s` apart); every process of the stack must be gone
-    within `bound_s`. Returns how long that took."""
+    """Call `before`, send `signals` to the launcher (`gap_s` apart); every process of the stack
+    must be gone within `bound_s`. Returns how long that took."""
     tree = stack.tree()
     assert stack.process is not None
     started = time.monotonic()
+    before()
     for i, signum in enumerate(signals):
         if i:
             time.sleep(gap_s)
@@ -211,13 +266,22 @@ def test_a_second_ctrl_c_stops_at_once_still_requeuing(local_stack: LocalStack) 
 
 
 @pytest.mark.parametrize("how", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
-def test_a_closed_terminal_or_a_killed_launcher_stops_everything(
+def test_a_hangup_or_a_killed_launcher_stops_everything(
     local_stack: LocalStack, how: signal.Signals
 ) -> None:
     local_stack.up()
     ids = local_stack.submit_long_jobs()
     elapsed = stop_and_time(local_stack, [how], bound_s=10)
     print(f"{how.name} to the launcher: every process gone in {elapsed:.2f}s")
+    assert_requeued(local_stack, ids)
+
+
+def test_closing_the_terminal_stops_everything(local_stack: LocalStack) -> None:
+    terminal = local_stack.up_in_terminal()
+    ids = local_stack.submit_long_jobs()
+    elapsed = stop_and_time(local_stack, [], bound_s=10, before=terminal.close)
+    print(f"the terminal closed: every process gone in {elapsed:.2f}s")
+    assert local_stack.process is not None and local_stack.process.wait(timeout=1) == 0
     assert_requeued(local_stack, ids)
 
 
