@@ -352,13 +352,21 @@ def test_a_missing_model_path_fails_the_runner_for_good(
     assert worker.process.poll() is None
 
 
-def test_down_stops_the_processes_of_a_launcher_that_is_gone(
+def test_down_stops_the_processes_of_a_launcher_that_is_gone_in_order(
     local_stack: LocalStack, processes: Processes, tmp_path: Path
 ) -> None:
-    members = {
-        name: processes.start(["sleep", "60"], local_stack.env, tmp_path / f"{name}.log")
-        for name in ("redis", "api", "worker", "flower")
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('deaf')"
+    commands = {  # the api ignores SIGTERM: it gets SIGKILL past its bound
+        "redis": ["sleep", "60"],
+        "api": [sys.executable, "-u", "-c", deaf + "; time.sleep(60)"],
+        "worker": ["sleep", "60"],
+        "flower": ["sleep", "60"],
     }
+    members = {
+        name: processes.start(argv, local_stack.env, tmp_path / f"{name}.log")
+        for name, argv in commands.items()
+    }
+    wait_until(lambda: "deaf" in (tmp_path / "api.log").read_text(), 10, "the api to ignore TERM")
     record = StackRecord(
         # A pid above the kernel's limit: a launcher that is surely gone.
         launcher=RecordedProcess(name="launcher", pid=2**22 + 1, create_time=0.0),
@@ -373,6 +381,14 @@ def test_down_stops_the_processes_of_a_launcher_that_is_gone(
     assert down.returncode == 0, down.stderr
     assert "is gone; stopping what is left of its stack" in down.stdout
     assert f"worker (pid {members['worker'].pid})" in down.stdout
-    for process in members.values():
-        assert process.wait(timeout=2) == -signal.SIGTERM
+    order = [
+        line.split("child=")[1].split()[0]
+        for line in down.stderr.splitlines()
+        if "msg=stopping " in line
+    ]
+    assert order == ["worker", "api", "flower", "redis"], down.stderr
+    assert "did not stop in time; sending SIGKILL" in down.stderr and "child=api" in down.stderr
+    for name, process in members.items():
+        expected = -signal.SIGKILL if name == "api" else -signal.SIGTERM
+        assert process.wait(timeout=2) == expected, name
     assert not path.exists()
