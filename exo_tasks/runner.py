@@ -317,6 +317,13 @@ class Runner:
             except redis.RedisError as exc:
                 if not redis_waits(exc):
                     raise
+                if self.terminate_requested:
+                    # Told to stop now, with nowhere to write: waiting could last for ever (the
+                    # worker would hang at exit joining us). Our jobs stay running under this
+                    # worker's incarnation; the recovery loop requeues them once Redis is back
+                    # and the worker's heartbeat is gone.
+                    log.error("redis unreachable after SIGTERM; exiting without flushing")
+                    raise SystemExit(143) from exc
                 log.warning("redis unreachable or full; runner waits", extra={"error": str(exc)})
                 time.sleep(REDIS_RETRY_S)
 
