@@ -11,7 +11,7 @@ import pytest
 
 from exo_tasks.store import Store
 from tests.support import workers
-from tests.support.api import Api, api_settings
+from tests.support.api import Api, api_settings, serving
 from tests.support.processes import (
     Processes,
     RedisServer,
@@ -96,9 +96,8 @@ def stack(
         session_processes, redis_server.url, "host-a", [tiny_model], data_dir, runner_lanes=2
     )
     wait_runner_ready(store, worker)
-    api = Api(api_settings(redis_server.url, [tiny_model]))
-    yield Stack(redis=redis_server, store=store, worker=worker, api=api)
-    api.close()
+    with serving(api_settings(redis_server.url, [tiny_model])) as api:
+        yield Stack(redis=redis_server, store=store, worker=worker, api=api)
 
 
 @dataclass

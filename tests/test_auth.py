@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Stack, api_settings
-from tests.support.api import Api
+from tests.conftest import Stack
+from tests.support.api import Api, api_settings, serving
 
 TOKEN = "s3cret-token"
 GOOD = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,9 +38,8 @@ BAD_HEADERS = [
 
 @pytest.fixture
 def guarded(stack: Stack, tiny_model: Path) -> Iterator[Api]:
-    api = Api(api_settings(stack.redis.url, [tiny_model], api_token=TOKEN))
-    yield api
-    api.close()
+    with serving(api_settings(stack.redis.url, [tiny_model], api_token=TOKEN)) as api:
+        yield api
 
 
 def test_health_checks_stay_open(guarded: Api) -> None:

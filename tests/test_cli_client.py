@@ -7,8 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.conftest import Stack, api_settings
-from tests.support.api import Api
+from tests.conftest import Stack
+from tests.support.api import Api, api_settings, serving
 from tests.support.processes import EXO_TASKS, Processes, exo_env, wait_until
 from tests.support.workers import start_worker, wait_runner_ready
 
@@ -54,8 +54,7 @@ def test_jobs_runners_and_hosts_are_tables(stack: Stack) -> None:
 
 
 def test_cancel_sends_the_token_and_errors_name_the_status(stack: Stack, tiny_model: Path) -> None:
-    guarded = Api(api_settings(stack.redis.url, [tiny_model], api_token=TOKEN))
-    try:
+    with serving(api_settings(stack.redis.url, [tiny_model], api_token=TOKEN)) as guarded:
         guarded.http.headers["Authorization"] = f"Bearer {TOKEN}"
         job_id = guarded.submit(prompt="long", max_tokens=4000, ignore_eos=True)
         refused = exo_tasks(guarded, "cancel", job_id)
@@ -66,8 +65,6 @@ def test_cancel_sends_the_token_and_errors_name_the_status(stack: Stack, tiny_mo
         assert guarded.wait_job(job_id)["status"] == "cancelled"
         again = exo_tasks(guarded, "cancel", job_id, token=TOKEN)
         assert again.returncode == 2 and "409 conflict" in again.stderr
-    finally:
-        guarded.close()
 
 
 def test_shutdown_a_runner_then_its_host(

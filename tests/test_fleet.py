@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from exo_tasks.modelgen import create_model
-from tests.conftest import Stack, TwoHosts, api_settings
-from tests.support.api import Api
+from tests.conftest import Stack, TwoHosts
+from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, wait_until
 from tests.support.workers import start_worker, wait_runner_ready
 
@@ -144,10 +144,10 @@ def test_hosts_lists_live_workers_with_pid_runners_and_queue_depths(
 def test_a_full_queue_is_429_with_retry_after(
     stack: Stack, fleet: TwoHosts, tmp_path: Path
 ) -> None:
-    api = Api(api_settings(stack.redis.url, [tmp_path / "alpha"], max_queued_jobs=2))
     queued: list[str] = []
-    try:
-        with x_busy(api):
+    settings = api_settings(stack.redis.url, [tmp_path / "alpha"], max_queued_jobs=2)
+    with serving(settings) as api, x_busy(api):
+        try:
             queued = [api.submit(**LONG_ON_X) for _ in range(2)]
             full = api.post("/v1/jobs", json=LONG_ON_X)
             assert full.status_code == 429
@@ -158,9 +158,8 @@ def test_a_full_queue_is_429_with_retry_after(
             # Another queue is not full: an unpinned job is still taken.
             other = api.post("/v1/jobs", json={"prompt": "b", "max_tokens": 2, "model": "beta"})
             assert other.status_code == 202
-    finally:
-        cancel_all(api, queued)
-        api.close()
+        finally:
+            cancel_all(api, queued)
 
 
 def test_a_high_priority_job_overtakes_queued_normal_ones(stack: Stack, fleet: TwoHosts) -> None:

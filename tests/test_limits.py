@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Stack, api_settings
-from tests.support.api import Api
+from tests.conftest import Stack
+from tests.support.api import Api, api_settings, serving
 
 
 @pytest.fixture
 def capped(stack: Stack, tiny_model: Path) -> Iterator[Api]:
-    api = Api(api_settings(stack.redis.url, [tiny_model], max_prompt_chars=50, max_body_bytes=2000))
-    yield api
-    api.close()
+    with serving(
+        api_settings(stack.redis.url, [tiny_model], max_prompt_chars=50, max_body_bytes=2000)
+    ) as api:
+        yield api
 
 
 def test_a_prompt_over_the_cap_is_422_naming_the_limit(capped: Api) -> None:

@@ -10,8 +10,8 @@ import pytest
 from openapi_spec_validator import validate
 
 from exo_tasks.types import JobRequest
-from tests.conftest import Stack, api_settings
-from tests.support.api import Api
+from tests.conftest import Stack
+from tests.support.api import api_settings, serving
 
 METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 
@@ -90,11 +90,8 @@ def test_real_answers_match_the_document(stack: Stack, spec: dict[str, Any]) -> 
 
 def test_a_token_shows_as_a_security_scheme_except_on_health(stack: Stack) -> None:
     settings = api_settings(stack.redis.url, [], api_token="t0ken")
-    api = Api(settings)
-    try:
+    with serving(settings) as api:
         spec = api.get("/openapi.json", headers={"Authorization": "Bearer t0ken"}).json()
-    finally:
-        api.close()
     assert spec["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     assert spec["security"] == [{"bearer": []}]
     assert spec["paths"]["/healthz"]["get"]["security"] == []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import Stack, api_settings
-from tests.support.api import Api
+from tests.conftest import Stack
+from tests.support.api import api_settings, serving
 from tests.support.processes import Processes, free_port
 from tests.support.workers import start_worker, wait_runner_ready
 
@@ -44,25 +44,19 @@ def test_readyz_is_200_with_a_ready_runner(stack: Stack) -> None:
 
 def test_readyz_is_503_without_a_ready_runner(stack: Stack, tiny_model: Path) -> None:
     empty_db = stack.redis.url.rsplit("/", 1)[0] + "/7"
-    api = Api(api_settings(empty_db, [tiny_model]))
-    try:
+    with serving(api_settings(empty_db, [tiny_model])) as api:
         response = api.get("/readyz")
         assert response.status_code == 503
         assert response.json()["redis"] is True and response.json()["ready_runners"] == []
-    finally:
-        api.close()
 
 
 def test_readyz_and_jobs_are_503_when_redis_is_unreachable(tiny_model: Path) -> None:
-    api = Api(api_settings(f"redis://127.0.0.1:{free_port()}/0", [tiny_model]))
-    try:
+    with serving(api_settings(f"redis://127.0.0.1:{free_port()}/0", [tiny_model])) as api:
         assert api.get("/readyz").status_code == 503
         assert api.get("/healthz").status_code == 200
         response = api.post("/v1/jobs", json={"prompt": "a"})
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "unavailable"
-    finally:
-        api.close()
 
 
 def test_the_embedded_redis_listens_on_loopback_only_with_aof(stack: Stack) -> None:

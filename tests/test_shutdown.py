@@ -22,13 +22,12 @@ from exo_tasks.types import JobRecord, JobRequest, JobStatus, SubmitJob, utcnow
 from tests.conftest import (
     LONG,
     Stack,
-    api_settings,
     new_worker,
     runner_state,
     wait_runner,
     wait_tokens,
 )
-from tests.support.api import Api
+from tests.support.api import api_settings, serving
 from tests.support.processes import Processes, wait_until
 
 
@@ -252,8 +251,8 @@ def test_hard_time_limit_replaces_the_pool_child_and_fails_the_job(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
     worker = new_worker(stack, processes, tiny_model, tmp_path, "sd-hardlimit")
-    api = Api(api_settings(stack.redis.url, [tiny_model], job_hard_grace_s=1))  # hard = soft + 1
-    try:
+    # The hard limit is the soft one + 1 s.
+    with serving(api_settings(stack.redis.url, [tiny_model], job_hard_grace_s=1)) as api:
         job_id = api.submit(**LONG, host="sd-hardlimit", timeout_s=1)
         wait_tokens(stack, job_id)
         pid = runner_state(stack.store, "sd-hardlimit").pid
@@ -263,8 +262,6 @@ def test_hard_time_limit_replaces_the_pool_child_and_fails_the_job(
             job = api.wait_job(job_id, timeout_s=5)
         finally:
             os.kill(pid, signal.SIGCONT)
-    finally:
-        api.close()
     assert job["status"] == "failed"
     assert "hard time limit exceeded (2.0s)" in job["error"]
     assert "Hard time limit (2.0s) exceeded" in worker.log_text()

@@ -23,8 +23,7 @@ import requests
 
 from exo_tasks.store import Store
 from exo_tasks.types import TERMINAL_JOB_STATUSES
-from tests.conftest import api_settings
-from tests.support.api import Api
+from tests.support.api import Api, api_settings, serving
 from tests.support.processes import (
     EXO_TASKS,
     Processes,
@@ -85,9 +84,8 @@ class Chaos:
 @pytest.fixture
 def chaos(processes: Processes, tiny_model: Path, tmp_path: Path) -> Iterator[Chaos]:
     redis = start_redis(processes, tmp_path / "redis")
-    api = Api(api_settings(redis.url, [tiny_model]))
-    yield Chaos(processes, redis, Store.from_url(redis.url), api, tiny_model, tmp_path)
-    api.close()
+    with serving(api_settings(redis.url, [tiny_model])) as api:
+        yield Chaos(processes, redis, Store.from_url(redis.url), api, tiny_model, tmp_path)
 
 
 def submit_many(api: Api, count: int, **body: Any) -> list[str]:
@@ -343,9 +341,8 @@ def test_secrets_never_reach_logs_or_error_bodies(
         tmp_path / "flower.log",
     )
     wait_http(f"http://127.0.0.1:{flower_port}/healthcheck", flower, tmp_path / "flower.log")
-    api = Api(api_settings(url, [tiny_model], api_token=token))
     auth = {"Authorization": f"Bearer {token}"}
-    try:
+    with serving(api_settings(url, [tiny_model], api_token=token)) as api:
         created = api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
         job_id = created.json()["id"]
         job = wait_until(
@@ -363,8 +360,6 @@ def test_secrets_never_reach_logs_or_error_bodies(
             api.get("/v1/jobs").text,
             requests.get(f"http://127.0.0.1:{flower_port}/api/workers", timeout=5).text,
         ]
-    finally:
-        api.close()
     assert job["status"] == "succeeded"
     texts = [
         worker.log_text(),

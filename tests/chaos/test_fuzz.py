@@ -16,8 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.core.result import Err, Ok
 
 from exo_tasks.store import Store
-from tests.conftest import api_settings
-from tests.support.api import Api
+from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, start_redis
 from tests.support.report import Case, Report
 from tests.support.workers import start_worker, wait_runner_ready
@@ -43,10 +42,11 @@ def fuzzed(
     worker = start_worker(session_processes, redis.url, "fuzz-host", [tiny_model], data_dir)
     wait_runner_ready(Store.from_url(redis.url), worker)
     # Small caps keep generated jobs short; short limits bound a request that waits on a job.
-    api = Api(api_settings(redis.url, [tiny_model], max_tokens=16, job_soft_time_limit_s=5))
-    target = Fuzzed(api, Counter())
-    yield target
-    api.close()
+    with serving(
+        api_settings(redis.url, [tiny_model], max_tokens=16, job_soft_time_limit_s=5)
+    ) as api:
+        target = Fuzzed(api, Counter())
+        yield target
     reliability.add(
         Case(
             "schemathesis over every route of /openapi.json",

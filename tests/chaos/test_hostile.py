@@ -23,8 +23,8 @@ from exo_tasks import engine as engine_module
 from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
 from exo_tasks.store import events_key, job_key, runner_key
 from exo_tasks.types import HostState, JobRecord, JobRequest, SubmitJob, utcnow
-from tests.conftest import Stack, api_settings, runner_state
-from tests.support.api import Api
+from tests.conftest import Stack, runner_state
+from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, start_redis
 from tests.support.report import Case, Report
 
@@ -282,8 +282,7 @@ def test_a_full_redis_refuses_writes_with_503_and_evicts_nothing(
     processes: Processes, tmp_path: Path, tiny_model: Path
 ) -> None:
     redis = start_redis(processes, tmp_path / "redis", maxmemory_mb=3)
-    api = Api(api_settings(redis.url, [tiny_model]))
-    try:
+    with serving(api_settings(redis.url, [tiny_model])) as api:
         store = api.app.extensions["exo"].store
         # A live host serving the model, as far as the API can tell (it reads Redis only).
         host = HostState(name="host-a", pid=1, models=["tiny"], started_at=utcnow())
@@ -306,8 +305,6 @@ def test_a_full_redis_refuses_writes_with_503_and_evicts_nothing(
         with pytest.raises(redis_lib.ResponseError) as refused_write:
             store.redis.xadd(events_key("late"), {"data": "x" * 10_000})
         assert redis_waits(refused_script.value) and redis_waits(refused_write.value)
-    finally:
-        api.close()
 
 
 # --- the runner: whatever one job's admission raises is that job's failure ---
@@ -453,7 +450,6 @@ def assert_in_shape(response: requests.Response) -> None:
 def test_generated_bodies_harm_nobody(stack: Stack, tiny_model: Path, reliability: Report) -> None:
     beside = stack.api.submit(prompt="another client", max_tokens=1500, ignore_eos=True)
     # Small caps keep accepted jobs short.
-    api = Api(api_settings(stack.redis.url, [tiny_model], max_tokens=16))
     accepted: list[str] = []
     statuses: Counter[int] = Counter()
 
@@ -471,10 +467,8 @@ def test_generated_bodies_harm_nobody(stack: Stack, tiny_model: Path, reliabilit
             assert 400 <= response.status_code < 500, response.status_code
             assert_in_shape(response)
 
-    try:
+    with serving(api_settings(stack.redis.url, [tiny_model], max_tokens=16)) as api:
         sends()
-    finally:
-        api.close()
     assert statuses[202] and statuses[422], statuses  # some run, many are refused
     ended = Counter(stack.api.wait_job(job_id, timeout_s=60)["status"] for job_id in accepted)
     assert set(ended) <= {"succeeded", "failed"}, ended

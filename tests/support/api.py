@@ -3,7 +3,9 @@ the settings it is built from."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +61,14 @@ class Api:
     def close(self) -> None:
         self.server.shutdown()
         self.http.close()
+
+
+@contextlib.contextmanager
+def serving(settings: Settings) -> Iterator[Api]:
+    """The one way a test runs an API of its own: built from `settings`, closed at the end of
+    the block whatever happened in it."""
+    api = Api(settings)
+    try:
+        yield api
+    finally:
+        api.close()
