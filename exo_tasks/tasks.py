@@ -134,7 +134,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         if attempt is None:
             return _summary(job_id, store.get_job(job_id))  # cancelled meanwhile
         log.info("job handed to runner", extra=extra)
-        progress = Progress(self, prepared.job.request.max_tokens, attempt.events_before)
+        progress = TaskProgress(self, prepared.job.request.max_tokens, attempt.events_before)
         final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
         return _summary(job_id, final)
     except SoftTimeLimitExceeded:
@@ -240,7 +240,7 @@ def _refuse_if_stopped(runner_id: str, state: RunnerState, pinned: str | None) -
         raise RunnerGone(f"runner {runner_id} is {state.status}: {state.error or 'stopped'}")
 
 
-class Progress:
+class TaskProgress:
     """A job's tokens so far, as the task's PROGRESS state for result readers and a
     `task-progress` event for Flower, at most every PROGRESS_EVERY_S and only as a best
     effort. The tokens are the events in the job's stream since the attempt began."""
@@ -273,7 +273,7 @@ def _follow(
     runner: RunnerState,
     after: str,
     until: float | None = None,
-    progress: Progress | None = None,
+    progress: TaskProgress | None = None,
 ) -> JobRecord:
     """Wait for the end of the job's attempt: its first ending after stream position `after`.
     Returns the final record; never waits on a dead runner. A job its runner put back on the
@@ -292,7 +292,11 @@ def _follow(
 
 
 def _check_on(
-    store: Store, job_id: str, runner: RunnerState, until: float | None, progress: Progress | None
+    store: Store,
+    job_id: str,
+    runner: RunnerState,
+    until: float | None,
+    progress: TaskProgress | None,
 ) -> None:
     """Between two waits: report progress; end the job if its runner is gone or `until` has
     passed. Each ending is appended to the job's endings, which the next wait returns."""
