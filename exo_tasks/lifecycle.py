@@ -127,8 +127,8 @@ HAND_OVER_FROM: tuple[JobStatus, ...] = (QUEUED,)
 
 
 def start(job: JobRecord, *, host: str, runner_id: str, owner: str) -> JobRecord:
-    """The job as its task hands it to a runner: running there, held by `owner`."""
-    assert may_move(job.status, RUNNING), job.status
+    """The job as its task hands it to a runner: running there, held by `owner`. Whether it
+    may still move (from HAND_OVER_FROM) is the store's compare-and-set to decide."""
     update = {
         "status": RUNNING,
         "started_at": utcnow(),
