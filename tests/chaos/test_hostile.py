@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from exo_tasks import engine as engine_module
 from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
 from exo_tasks.store import events_key, job_key, runner_key
-from exo_tasks.types import HostState, JobRecord, JobRequest, SubmitJob, utcnow
+from exo_tasks.types import HostState, JobRecord, JobRequest, JobStatus, SubmitJob, utcnow
 from tests.conftest import Stack, runner_state
 from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, start_redis
@@ -144,7 +144,12 @@ def hand_over_raw(stack: Stack, command: dict[str, Any] | str) -> str:
     job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=JobRequest(prompt="x"))
     stack.store.create_job(job, "exo.hostile.unused", 1000)
     running = job.model_copy(
-        update={"status": "running", "runner_id": RUNNER, "host": "host-a", "started_at": utcnow()}
+        update={
+            "status": JobStatus.RUNNING,
+            "runner_id": RUNNER,
+            "host": "host-a",
+            "started_at": utcnow(),
+        }
     )
     record = running.model_dump_json()
     raw = command if isinstance(command, str) else json.dumps(command | {"job": json.loads(record)})
@@ -334,7 +339,11 @@ def admit(runner: Runner, request: JobRequest) -> str:
     job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=request)
     runner.store.create_job(job, "exo.model.tiny", 1000)
     started = job.model_copy(
-        update={"status": "running", "runner_id": runner.spec.runner_id, "started_at": utcnow()}
+        update={
+            "status": JobStatus.RUNNING,
+            "runner_id": runner.spec.runner_id,
+            "started_at": utcnow(),
+        }
     )
     command = SubmitJob(job=started, soft_deadline=time.time() + 60, deadline=time.time() + 90)
     assert runner.store.hand_over(runner.spec.runner_id, command)
