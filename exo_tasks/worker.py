@@ -90,11 +90,15 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
 
 
 def _held_delivery_tags() -> list[str]:
-    """The broker messages this worker holds unacknowledged (reserved or running tasks), read
-    from another thread while Celery's loop may change them."""
+    """The broker messages whose tasks a pool child has started here. A message only reserved
+    (received, not yet started) is left out on purpose: with one message per pool child it
+    waits for a free child for moments only, and one that waits longer is stuck in the pool
+    (seen under load: two tasks received during a burst and never started); the recovery loop
+    then gives it back to the queue, and whichever copy starts second finds the job taken.
+    Read from another thread while Celery's loop may change it."""
     for _ in range(3):
         try:
-            return [request.message.delivery_tag for request in list(state.requests.values())]
+            return [request.message.delivery_tag for request in list(state.active_requests)]
         except RuntimeError:  # changed while we copied it
             continue
     return []
