@@ -50,6 +50,12 @@ class Settings(BaseSettings):
     decode_timeout_s: float = 5.0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
+    prefill_step_size: int = Field(
+        256,
+        ge=1,
+        description="Prompt tokens a runner prefills per step; each step is progress for the "
+        "prefill stall limit, so a long prompt is work, not a hang.",
+    )
     runner_lanes: int | None = Field(
         None,
         ge=1,

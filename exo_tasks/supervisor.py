@@ -109,6 +109,7 @@ class RunnerSupervisor:
                 max_prompt_tokens=settings.max_prompt_tokens,
                 completion_batch_size=settings.completion_batch_size,
                 prefill_batch_size=settings.prefill_batch_size,
+                prefill_step_size=settings.prefill_step_size,
                 lanes=settings.runner_lanes,
                 log_level=settings.log_level,
             )
