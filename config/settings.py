@@ -84,6 +84,13 @@ class Settings(BaseSettings):
         ge=1,
         description="The embedded Redis's memory cap; full, it refuses writes (never evicts).",
     )
+    control_expires_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long a shutdown_runner or load_runner task stays valid in its queue; "
+        "a worker drops (and logs) one that waited longer.",
+    )
     log_level: str = "INFO"
 
     @property
