@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     api_workers: int = 2
+    api_header_timeout_s: float = Field(
+        10.0, gt=0, description="How long a client may take to send its request (then 408)."
+    )
+    api_io_timeout_s: float = Field(
+        30.0, gt=0, description="A stalled read or write on a request being served (then closed)."
+    )
     flower_port: int = 5555
     flower_basic_auth: SecretStr | None = Field(None, description="user:password for Flower.")
     api_token: SecretStr | None = Field(None, description="Set: every route but health needs it.")
