@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exo_tasks import limits
+from exo_tasks.redis_auth import redis_password
 
 TINY_MODEL_DIRNAME = "models/tiny"
 
@@ -101,7 +102,11 @@ class Settings(BaseSettings):
 
     @property
     def effective_redis_url(self) -> str:
-        return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+        """EXO_REDIS_URL, or the embedded Redis with its password (made at first use)."""
+        if self.redis_url:
+            return self.redis_url
+        password = redis_password(self.data_dir / "redis")
+        return f"redis://:{password}@127.0.0.1:{self.redis_port}/0"
 
     @property
     def effective_api_url(self) -> str:

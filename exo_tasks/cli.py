@@ -86,13 +86,14 @@ def cmd_flower(settings: Settings, _: argparse.Namespace) -> None:
         "-m",
         "celery",
         "-A",
-        "exo_tasks.worker",
+        "exo_tasks.flower_app",
         "flower",
         f"--port={settings.flower_port}",
         "--address=127.0.0.1",
     ]
     if settings.flower_basic_auth is not None:
-        argv.append(f"--basic_auth={settings.flower_basic_auth.get_secret_value()}")
+        # By environment: every local user sees a command line in `ps`.
+        os.environ["FLOWER_BASIC_AUTH"] = settings.flower_basic_auth.get_secret_value()
     _exec(argv)
 
 

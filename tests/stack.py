@@ -25,6 +25,7 @@ from werkzeug.serving import BaseWSGIServer, make_server
 
 from config.settings import Settings
 from exo_tasks.api import create_app
+from exo_tasks.redis_auth import redis_password
 from exo_tasks.redis_server import redis_server_argv, wait_for_redis
 from exo_tasks.store import Store
 from exo_tasks.types import RunnerState, runner_id_for
@@ -121,7 +122,7 @@ def start_redis(
     port = port or free_port()
     argv = redis_server_argv(port, data_dir, maxmemory_mb)
     proc = processes.start(argv, dict(os.environ), data_dir / "redis.log")
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://:{redis_password(data_dir)}@127.0.0.1:{port}/0"
     wait_for_redis(url, timeout_s=10)
     return RedisServer(url=url, port=port, process=proc)
 

@@ -116,7 +116,9 @@ def raw_request(api: Gunicorn, request: bytes) -> tuple[int, dict[str, str]]:
         (b"NOT A REQUEST\r\n\r\n", 400, "bad_request"),
         (b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
         (
-            b"GET /healthz HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n",
+            b"GET /healthz HTTP/1.1\r\n"
+            + b"".join(b"X-%d: y\r\n" % i for i in range(200))
+            + b"\r\n",
             431,
             "request_header_fields_too_large",
         ),
