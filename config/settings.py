@@ -48,6 +48,12 @@ class Settings(BaseSettings):
     # The worker.
     worker_concurrency: int = 34  # pool children: up to a full batch of 32, plus control tasks
     worker_soft_shutdown_s: float = 30.0
+    stack_drain_s: float = Field(
+        1.0,
+        ge=0,
+        description="The drain window of a worker in a local stack (`worker --in-stack`, the "
+        "Procfile): the whole stack stops within honcho's 5 s.",
+    )
     job_soft_time_limit_s: float = 600.0
     job_hard_grace_s: float = 30.0
     runner_shutdown_grace_s: float = 30.0

@@ -16,8 +16,6 @@ from exo_tasks.client import ApiClient
 from exo_tasks.errors import ExoError
 from exo_tasks.logs import configure_logging
 
-PROCFILE = Path(__file__).resolve().parent.parent / "Procfile"
-
 
 def _exec(argv: list[str]) -> None:
     sys.stdout.flush()
@@ -25,39 +23,23 @@ def _exec(argv: list[str]) -> None:
 
 
 def cmd_up(settings: Settings, _: argparse.Namespace) -> None:
-    """The whole stack under honcho: redis (unless EXO_REDIS_URL is set), api, worker, flower."""
-    from exo_tasks.modelgen import ensure_model
+    """The whole stack from the Procfile: redis (unless EXO_REDIS_URL is set), api, worker,
+    flower, stopped in order on Ctrl-C."""
+    from exo_tasks import launcher
 
-    if not settings.models:
-        ensure_model("tiny", settings.tiny_model_dir)
-    processes = (
-        ["api", "worker", "flower"] if settings.redis_url else ["redis", "api", "worker", "flower"]
-    )
-    print(f"exo_tasks API   http://{settings.api_host}:{settings.api_port}  (try /v1/runners)")
-    print(f"Flower          http://127.0.0.1:{settings.flower_port}")
-    print("Ctrl-C stops everything (an in-flight job gets about 3 s: honcho kills after 5 s).")
-    # The Procfile's commands are this same `exo-tasks`: make sure they resolve to this install.
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    _exec(
-        [
-            sys.executable,
-            "-m",
-            "honcho",
-            "-f",
-            str(PROCFILE),
-            "-d",
-            os.getcwd(),
-            "start",
-            *processes,
-        ]
-    )
+    sys.exit(launcher.up(settings))
+
+
+def cmd_down(settings: Settings, _: argparse.Namespace) -> None:
+    from exo_tasks import launcher
+
+    sys.exit(launcher.down(settings))
 
 
 def cmd_redis(settings: Settings, _: argparse.Namespace) -> None:
-    from exo_tasks.redis_server import redis_server_argv
+    from exo_tasks.redis_server import run_embedded
 
-    data_dir = settings.data_dir / "redis"
-    _exec(redis_server_argv(settings.redis_port, data_dir, settings.redis_maxmemory_mb))
+    sys.exit(run_embedded(settings))
 
 
 def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
@@ -69,8 +51,15 @@ def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
+    from exo_tasks.modelgen import ensure_model
     from exo_tasks.redis_server import wait_for_redis
 
+    if not settings.models:
+        ensure_model("tiny", settings.tiny_model_dir)
+    if args.in_stack:
+        # Part of a local stack, which stops as one: the drain window must end before Redis
+        # stops (and before honcho's SIGKILL). Set before the worker reads its settings.
+        os.environ["EXO_WORKER_SOFT_SHUTDOWN_S"] = str(settings.stack_drain_s)
     wait_for_redis(settings.effective_redis_url)
     from exo_tasks import worker
 
@@ -213,10 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="run the whole stack (redis, api, worker, flower)").set_defaults(
         func=cmd_up
     )
+    sub.add_parser("down", help="stop the stack `up` started from this data dir").set_defaults(
+        func=cmd_down
+    )
     sub.add_parser("redis", help="run the embedded redis-server").set_defaults(func=cmd_redis)
     sub.add_parser("api", help="run the HTTP API (gunicorn)").set_defaults(func=cmd_api)
     worker = sub.add_parser("worker", help="run this host's worker and its runners")
     worker.add_argument("-c", "--concurrency", type=int, default=None)
+    worker.add_argument(
+        "--in-stack",
+        action="store_true",
+        help="part of a local stack (the Procfile): drain for EXO_STACK_DRAIN_S, not "
+        "EXO_WORKER_SOFT_SHUTDOWN_S",
+    )
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("flower", help="run the Flower monitoring UI").set_defaults(func=cmd_flower)
     model = sub.add_parser("model", help="make models").add_subparsers(dest="action", required=True)

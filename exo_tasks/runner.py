@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -58,6 +59,24 @@ STATE_DELAY_S = 0.05
 GATHER_GAP_S = 0.05
 GATHER_STEP_SHARE = 0.25
 GATHER_MAX_S = 0.25
+# Exit code of a runner that cannot work as configured: the supervisor does not restart it.
+EXIT_CONFIG = 78  # EX_CONFIG
+
+
+class ConfigError(Exception):
+    """The runner's configuration is wrong: restarting it would fail the same way."""
+
+
+def check_model_path(model_path: str) -> None:
+    """A model given as a local path must exist; anything else is a hub id for mlx_lm."""
+    path = Path(model_path).expanduser()
+    local = (
+        path.is_absolute()
+        or model_path.startswith(("./", "../", "~"))
+        or (len(path.parts) > 1 and path.parent.is_dir())
+    )
+    if local and not path.exists():
+        raise ConfigError(f"model path '{model_path}' does not exist")
 
 
 def redis_waits(exc: redis.RedisError) -> bool:
@@ -203,6 +222,10 @@ class Runner:
         self.publish(RunnerStatus.LOADING)
         try:
             self.load()
+        except ConfigError as exc:
+            log.error("runner cannot start", extra={"error": str(exc)})
+            self.publish(RunnerStatus.FAILED, error=str(exc))
+            return EXIT_CONFIG
         except Exception as exc:
             log.exception("model failed to load")
             self.publish(RunnerStatus.FAILED, error=f"model failed to load: {exc}")
@@ -229,6 +252,7 @@ class Runner:
 
         from exo_tasks.engine import BatchEngine
 
+        check_model_path(self.spec.model_path)
         loaded = mlx_lm.load(self.spec.model_path)
         model, tokenizer = loaded[0], loaded[1]
         self.state = self.state.model_copy(update={"model_loads": self.state.model_loads + 1})
@@ -295,6 +319,13 @@ class Runner:
             except redis.RedisError as exc:
                 if not redis_waits(exc):
                     raise
+                if self.terminate_requested:
+                    # Told to stop now, with nowhere to write: waiting could last for ever (the
+                    # worker would hang at exit joining us). Our jobs stay running under this
+                    # worker's incarnation; the recovery loop requeues them once Redis is back
+                    # and the worker's heartbeat is gone.
+                    log.error("redis unreachable after SIGTERM; exiting without flushing")
+                    raise SystemExit(143) from exc
                 log.warning("redis unreachable or full; runner waits", extra={"error": str(exc)})
                 time.sleep(REDIS_RETRY_S)
 

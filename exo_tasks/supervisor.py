@@ -200,15 +200,24 @@ class RunnerSupervisor:
             if handle.stop is not None and handle.stall is None:
                 self._record_stop(handle, handle.stop, cause)
             else:
-                self._record_failure(handle, f"{handle.stall}; {cause}" if handle.stall else cause)
+                self._record_failure(
+                    handle,
+                    f"{handle.stall}; {cause}" if handle.stall else cause,
+                    final=process.exitcode == runner.EXIT_CONFIG,
+                )
             # Only once recorded: if Redis was down, the next watch round records it again.
             handle.process = None
 
-    def _record_failure(self, handle: RunnerHandle, cause: str) -> None:
-        """A crash or a hang: fail its jobs at once, then restart it with backoff (bounded)."""
+    def _record_failure(self, handle: RunnerHandle, cause: str, *, final: bool = False) -> None:
+        """A crash or a hang: fail its jobs at once, then restart it with backoff (bounded).
+        `final`: a configuration error, which no restart would cure."""
         runner_id = handle.spec.runner_id
-        log.error("runner failed", extra={"runner": runner_id, "cause": cause})
         last = self.store.get_runner(runner_id)
+        if last is not None and last.status == RunnerStatus.FAILED and last.error:
+            # The runner said why before it exited (a crash, a model that did not load): keep
+            # its words next to the exit cause. (Its state is fresh since its spawn.)
+            cause = f"{last.error} ({cause})"
+        log.error("runner failed", extra={"runner": runner_id, "cause": cause})
         failed = self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {cause}")
         if failed:
             log.error(
@@ -217,9 +226,13 @@ class RunnerSupervisor:
             )
         uptime = time.monotonic() - handle.started_monotonic
         handle.failures_in_a_row = 1 if uptime > HEALTHY_UPTIME_S else handle.failures_in_a_row + 1
-        if handle.failures_in_a_row > self.settings.runner_max_restarts:
-            error = f"{cause}; gave up after {handle.failures_in_a_row} failures in a row"
-            log.critical("runner keeps failing; not restarting it", extra={"runner": runner_id})
+        if final or handle.failures_in_a_row > self.settings.runner_max_restarts:
+            error = (
+                f"{cause}; not restarted: a configuration error"
+                if final
+                else f"{cause}; gave up after {handle.failures_in_a_row} failures in a row"
+            )
+            log.critical("runner not restarted", extra={"runner": runner_id, "error": error})
             self._publish(handle, last, RunnerStatus.FAILED, error)
             self.on_serving(handle.spec.model, False)
             return

@@ -1,4 +1,4 @@
-"""The `exo-tasks` command: model creation, submit, and the whole stack under honcho."""
+"""The `exo-tasks` command: model creation, submit, and the whole stack under `up`."""
 
 from __future__ import annotations
 
@@ -70,11 +70,11 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
         "EXO_WORKER_CONCURRENCY": "2",
         "EXO_API_WORKERS": "1",
     }
-    honcho = processes.start([EXO_TASKS, "up"], env, tmp_path / "up.log")
+    launcher = processes.start([EXO_TASKS, "up"], env, tmp_path / "up.log")
     api = f"http://127.0.0.1:{ports['EXO_API_PORT']}"
 
     def ready() -> bool:
-        assert honcho.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+        assert launcher.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
         try:
             return requests.get(f"{api}/readyz", timeout=1).status_code == 200
         except requests.ConnectionError:
@@ -94,11 +94,11 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
     wait_until(lambda: _answers(flower), 30, "Flower")
     assert list((tmp_path / "var" / "redis").glob("appendonly*")), "AOF persistence is on"
 
-    everything = [honcho.pid, *(c.pid for c in psutil.Process(honcho.pid).children(True))]
-    assert len(everything) >= 6  # honcho, redis, api (2), worker + pool + runner, flower
+    everything = [launcher.pid, *(c.pid for c in psutil.Process(launcher.pid).children(True))]
+    assert len(everything) >= 6  # launcher, redis, api (2), worker + pool + runner, flower
     started = time.monotonic()
-    honcho.send_signal(signal.SIGINT)
-    honcho.wait(timeout=20)
+    launcher.send_signal(signal.SIGINT)
+    launcher.wait(timeout=20)
     wait_until(
         lambda: (
             not any(

@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 from celery.result import AsyncResult
 
@@ -43,6 +44,8 @@ def test_flower_shows_workers_and_task_progress_behind_basic_auth(
 
     wait_until(online, 30, "Flower to see both workers online", interval_s=0.3)
     assert get("/api/workers").status_code == 401
+    # The password is given by environment: a command line is visible to every local user.
+    assert AUTH[1] not in " ".join(psutil.Process(flower.pid).cmdline())
     assert get("/api/tasks", auth=("admin", "wrong")).status_code == 401
     workers = get("/api/workers?refresh=1", auth=AUTH).json()
     assert {"exo@fleet-x", "exo@fleet-y"} <= set(workers)

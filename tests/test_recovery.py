@@ -20,7 +20,7 @@ from exo_tasks import broker, jobs
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.types import JobRecord, JobRequest, host_queue
 from tests.conftest import Stack, new_worker, runner_state, wait_tokens
-from tests.stack import Processes, wait_until
+from tests.stack import Processes, Worker, wait_until
 
 # A job long enough to be in flight when the worker dies, short enough to finish quickly after.
 MEDIUM = {"prompt": "medium", "max_tokens": 600, "ignore_eos": True}
@@ -42,6 +42,17 @@ def follow(stack: Stack, job_id: str, events: list[str]) -> threading.Thread:
     return reader
 
 
+def jobs_in_flight(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, host: str, count: int
+) -> tuple[Worker, list[str]]:
+    """A worker of its own on `host`, streaming `count` jobs pinned to it."""
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    ids = [stack.api.submit(**MEDIUM, host=host) for _ in range(count)]
+    for job_id in ids:
+        wait_tokens(stack, job_id)
+    return worker, ids
+
+
 def in_a_queue(stack: Stack, job_id: str, queue: str) -> bool:
     """The job's message waits in `queue` (not in kombu's unacked hash)."""
     return job_id in broker.read_messages(stack.store.redis, [queue]).queued_task_ids
@@ -51,10 +62,7 @@ def test_a_sigkilled_workers_jobs_are_requeued_from_its_heartbeat_not_the_broker
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
     host = "rc-kill"
-    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
-    ids = [stack.api.submit(**MEDIUM, host=host) for _ in range(3)]
-    for job_id in ids:
-        wait_tokens(stack, job_id)
+    worker, ids = jobs_in_flight(stack, processes, tiny_model, tmp_path, host, 3)
     events: list[str] = []
     reader = follow(stack, ids[0], events)
     killed = time.monotonic()
@@ -95,10 +103,7 @@ def test_a_worker_restarted_at_once_requeues_its_previous_incarnations_jobs_at_o
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
     host = "rc-restart"
-    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
-    ids = [stack.api.submit(**MEDIUM, host=host) for _ in range(2)]
-    for job_id in ids:
-        wait_tokens(stack, job_id)
+    worker, ids = jobs_in_flight(stack, processes, tiny_model, tmp_path, host, 2)
     worker.process.send_signal(signal.SIGKILL)
     worker.process.wait(timeout=5)
     restarted = time.monotonic()
@@ -131,10 +136,7 @@ def test_a_cancel_for_a_job_whose_worker_died_is_final(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
     host = "rc-cancel"
-    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
-    early, late = (stack.api.submit(**MEDIUM, host=host) for _ in range(2))
-    wait_tokens(stack, early)
-    wait_tokens(stack, late)
+    worker, (early, late) = jobs_in_flight(stack, processes, tiny_model, tmp_path, host, 2)
     worker.process.send_signal(signal.SIGKILL)
     worker.process.wait(timeout=5)
 

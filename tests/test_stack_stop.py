@@ -1,0 +1,394 @@
+"""Stopping a whole local stack, as users do: Ctrl-C (once, twice), a closed terminal, a killed
+launcher, `exo-tasks down`, and a plain `honcho start` on the Procfile. Real processes, real
+signals, default settings, fresh data dirs (the worker makes the tiny model itself).
+
+Every stop must leave no process behind and lose no job: jobs in flight go back to their queue
+(record `queued`, `attempts` 1, `event: requeued`, message back in the queue) before Redis stops.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import signal
+import socket
+import subprocess
+import sys
+import termios
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
+from exo_tasks.store import Store
+from exo_tasks.types import RunnerState, model_queue, runner_id_for
+from tests.stack import (
+    EXO_TASKS,
+    Processes,
+    RedisServer,
+    exo_env,
+    free_port,
+    start_redis,
+    start_worker,
+    wait_http,
+    wait_until,
+)
+
+HOST = "stack-host"
+LONG = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
+JOBS = 4
+
+
+@dataclass
+class LocalStack:
+    """A stack run by `exo-tasks up` (or honcho) from its own data dir and ports."""
+
+    processes: Processes
+    data_dir: Path
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.env['EXO_API_PORT']}"
+
+    @property
+    def redis_port(self) -> int:
+        return int(self.env["EXO_REDIS_PORT"])
+
+    def start(self, argv: list[str], ready: str = "/readyz") -> subprocess.Popen[bytes]:
+        self.process = self.processes.start(argv, self.env, self.log_path)
+        wait_http(self.api + ready, self.process, self.log_path, timeout_s=90)
+        return self.process
+
+    def up(self) -> subprocess.Popen[bytes]:
+        return self.start([EXO_TASKS, "up"])
+
+    def up_in_terminal(self) -> Terminal:
+        """`exo-tasks up` as in a terminal: a pty is its controlling terminal."""
+        terminal = Terminal(self.log_path)
+        self.process = subprocess.Popen(
+            [EXO_TASKS, "up"],
+            env=self.env,
+            stdin=terminal.slave,
+            stdout=terminal.slave,
+            stderr=terminal.slave,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
+        self.processes.started.append(self.process)
+        os.close(terminal.slave)
+        wait_http(self.api + "/readyz", self.process, self.log_path, timeout_s=90)
+        return terminal
+
+    def store(self) -> Store:
+        return Store.from_url(f"redis://127.0.0.1:{self.redis_port}/0")
+
+    def submit_long_jobs(self) -> list[str]:
+        """JOBS long jobs, returned once every one streams tokens."""
+        ids = [
+            requests.post(f"{self.api}/v1/jobs", json=LONG, timeout=10).json()["id"]
+            for _ in range(JOBS)
+        ]
+        store = self.store()
+        wait_until(
+            lambda: all(store.streamed_text(j)[1] >= 3 for j in ids), 20, "tokens of every job"
+        )
+        return ids
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        job: dict[str, Any] = requests.get(f"{self.api}/v1/jobs/{job_id}", timeout=5).json()
+        return job
+
+    def tree(self) -> list[psutil.Process]:
+        """The launcher and every process under it, taken before a stop."""
+        assert self.process is not None
+        root = psutil.Process(self.process.pid)
+        tree = [root, *root.children(recursive=True)]
+        self.processes.extra_pids.update(p.pid for p in tree)  # stopped at teardown, orphans too
+        return tree
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Terminal:
+    """A pseudo-terminal whose output is copied to a log until it is closed."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.master, self.slave = pty.openpty()
+        self.closing = threading.Event()
+        self.reader = threading.Thread(target=self._copy, args=(log_path,), daemon=True)
+        self.reader.start()
+
+    def _copy(self, log_path: Path) -> None:
+        with log_path.open("ab") as log:
+            while not self.closing.is_set():
+                if select.select([self.master], [], [], 0.1)[0]:
+                    try:
+                        log.write(os.read(self.master, 65536))
+                    except OSError:  # EIO: no process has the terminal open any more
+                        return
+                    log.flush()
+
+    def close(self) -> None:
+        """As when its window is closed: the session leader gets SIGHUP, writes get EIO."""
+        self.closing.set()
+        self.reader.join(timeout=2)
+        os.close(self.master)
+
+
+@pytest.fixture
+def local_stack(processes: Processes, tmp_path: Path) -> LocalStack:
+    data_dir = tmp_path / "var"
+    env = exo_env(
+        api_port=free_port(),
+        flower_port=free_port(),
+        redis_port=free_port(),
+        data_dir=data_dir,
+        hostname=HOST,
+        worker_concurrency=8,
+        api_workers=1,
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    return LocalStack(processes, data_dir, env, tmp_path / "stack.log")
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def stop_and_time(
+    stack: LocalStack,
+    signals: list[signal.Signals],
+    bound_s: float,
+    gap_s: float = 0.3,
+    before: Callable[[], None] = lambda: None,
+) -> float:
+    """Call `before`, send `signals` to the launcher (`gap_s` apart); every process of the stack
+    must be gone within `bound_s`. Returns how long that took."""
+    tree = stack.tree()
+    assert stack.process is not None
+    started = time.monotonic()
+    before()
+    for i, signum in enumerate(signals):
+        if i:
+            time.sleep(gap_s)
+        stack.process.send_signal(signum)
+    deadline = started + bound_s
+    while (alive := _running(tree)) and time.monotonic() < deadline:
+        stack.process.poll()  # reap the launcher
+        time.sleep(0.05)
+    elapsed = time.monotonic() - started
+    assert not alive, (
+        f"still running after {bound_s}s: {[(p.pid, p.cmdline()) for p in alive]}\n"
+        + stack.log_text()[-3000:]
+    )
+    return elapsed
+
+
+def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
+    """Read the stopped stack's Redis data (its AOF) with a redis-server of our own: every job
+    is queued again, once, with its message back in the model's queue."""
+    redis = start_redis(stack.processes, stack.data_dir / "redis", port=stack.redis_port)
+    try:
+        store = Store.from_url(redis.url)
+        for job_id in ids:
+            job = store.get_job(job_id)
+            assert job is not None and job.status == "queued" and job.attempts == 1, job
+            events = [event.event for _, event in store.read_events(job_id)]
+            assert events.count("requeued") == 1, events
+        assert store.queue_depth(model_queue("tiny")) == len(ids)
+        assert store.redis.hlen("unacked") == 0
+    finally:
+        redis.process.terminate()
+        redis.process.wait(timeout=10)
+
+
+def test_ctrl_c_requeues_jobs_in_flight_a_restart_runs_them_and_down_stops_it(
+    local_stack: LocalStack,
+) -> None:
+    local_stack.up()
+    assert (local_stack.data_dir / "models" / "tiny" / "config.json").is_file()
+    ids = local_stack.submit_long_jobs()
+    elapsed = stop_and_time(local_stack, [signal.SIGINT], bound_s=6)
+    print(f"Ctrl-C with {JOBS} jobs in flight: every process gone in {elapsed:.2f}s")
+    assert local_stack.process is not None and local_stack.process.wait(timeout=1) == 0
+    assert "SIGKILL" not in local_stack.log_text()
+    assert not (local_stack.data_dir / "run" / "stack.json").exists()
+    assert_requeued(local_stack, ids)
+
+    local_stack.up()
+    wait_until(
+        lambda: all(local_stack.job(j)["status"] == "succeeded" for j in ids), 60, "every job"
+    )
+    for job_id in ids:
+        assert local_stack.job(job_id)["usage"]["completion_tokens"] == LONG["max_tokens"]
+
+    tree = local_stack.tree()
+    down = subprocess.run(
+        [EXO_TASKS, "down"], env=local_stack.env, capture_output=True, text=True, timeout=30
+    )
+    assert down.returncode == 0, down.stderr
+    assert f"launcher pid {tree[0].pid}" in down.stdout and "stopped" in down.stdout
+    local_stack.process.wait(timeout=5)
+    assert not _running(tree)
+    again = subprocess.run(
+        [EXO_TASKS, "down"], env=local_stack.env, capture_output=True, text=True, timeout=30
+    )
+    assert again.returncode == 1 and "nothing to stop" in again.stdout
+
+
+def test_a_second_ctrl_c_stops_at_once_still_requeuing(local_stack: LocalStack) -> None:
+    local_stack.up()
+    ids = local_stack.submit_long_jobs()
+    elapsed = stop_and_time(local_stack, [signal.SIGINT, signal.SIGINT], bound_s=5)
+    print(f"two Ctrl-C: every process gone in {elapsed:.2f}s")
+    assert "second signal" in local_stack.log_text()
+    assert_requeued(local_stack, ids)
+
+
+@pytest.mark.parametrize("how", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
+def test_a_hangup_or_a_killed_launcher_stops_everything(
+    local_stack: LocalStack, how: signal.Signals
+) -> None:
+    local_stack.up()
+    ids = local_stack.submit_long_jobs()
+    elapsed = stop_and_time(local_stack, [how], bound_s=10)
+    print(f"{how.name} to the launcher: every process gone in {elapsed:.2f}s")
+    assert_requeued(local_stack, ids)
+
+
+def test_closing_the_terminal_stops_everything(local_stack: LocalStack) -> None:
+    terminal = local_stack.up_in_terminal()
+    ids = local_stack.submit_long_jobs()
+    elapsed = stop_and_time(local_stack, [], bound_s=10, before=terminal.close)
+    print(f"the terminal closed: every process gone in {elapsed:.2f}s")
+    assert local_stack.process is not None and local_stack.process.wait(timeout=1) == 0
+    assert_requeued(local_stack, ids)
+
+
+def test_honcho_start_on_the_procfile_works_and_ctrl_c_requeues(
+    local_stack: LocalStack,
+) -> None:
+    # The Procfile's `exo-tasks` must be this install's.
+    local_stack.env["PATH"] = f"{Path(sys.executable).parent}:{local_stack.env['PATH']}"
+    honcho = [sys.executable, "-m", "honcho", "-f", str(PROCFILE), "-d", str(PROCFILE.parent)]
+    local_stack.start([*honcho, "start"])  # /readyz: the runner is Ready on a fresh data dir
+    ids = local_stack.submit_long_jobs()
+    # honcho itself SIGKILLs what is left 5 s after Ctrl-C: nothing may need that.
+    elapsed = stop_and_time(local_stack, [signal.SIGINT], bound_s=6)
+    print(f"honcho, Ctrl-C with {JOBS} jobs in flight: every process gone in {elapsed:.2f}s")
+    assert "stopping Redis before the worker" not in local_stack.log_text()
+    assert_requeued(local_stack, ids)
+
+
+def test_up_refuses_a_taken_port_naming_its_holder(local_stack: LocalStack) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", int(local_stack.env["EXO_API_PORT"])))
+        holder.listen()
+        result = subprocess.run(
+            [EXO_TASKS, "up"], env=local_stack.env, capture_output=True, text=True, timeout=30
+        )
+    assert result.returncode == 2
+    port = local_stack.env["EXO_API_PORT"]
+    assert f"port {port} (EXO_API_PORT) is taken by pid {psutil.Process().pid}" in result.stderr
+    assert "pytest" in result.stderr and "exo-tasks down" in result.stderr
+
+
+def test_a_host_shutdown_stops_only_the_worker(local_stack: LocalStack) -> None:
+    local_stack.up()
+    launcher = local_stack.tree()[0]
+    worker = next(p for p in launcher.children() if "worker" in p.cmdline())
+    response = requests.post(
+        f"{local_stack.api}/v1/hosts/{HOST}/shutdown", json={"mode": "warm"}, timeout=10
+    )
+    assert response.status_code == 202
+    worker.wait(timeout=15)
+    assert local_stack.process is not None and local_stack.process.poll() is None
+    assert requests.get(f"{local_stack.api}/healthz", timeout=5).status_code == 200
+    refused = requests.post(f"{local_stack.api}/v1/jobs", json={"prompt": "x"}, timeout=5)
+    assert refused.status_code == 404
+    assert "not served by any live host" in refused.json()["error"]["message"]
+    assert "child=worker exitcode=0" in local_stack.log_text()
+    stop_and_time(local_stack, [signal.SIGINT], bound_s=6)
+
+
+def test_a_missing_model_path_fails_the_runner_for_good(
+    redis_server: RedisServer, store: Store, processes: Processes, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-model"
+    worker = start_worker(processes, redis_server.url, "stack-missing", [missing], tmp_path)
+    runner_id = runner_id_for("no-such-model", "stack-missing")
+
+    def failed() -> RunnerState | None:
+        state = store.get_runner(runner_id)
+        # The runner says Failed as it exits; the supervisor then adds how it ended.
+        return state if state is not None and "not restarted" in (state.error or "") else None
+
+    state: RunnerState = wait_until(failed, 60, f"runner {runner_id} Failed")
+    assert state.error is not None
+    assert f"model path '{missing}' does not exist (exitcode=78)" in state.error
+    time.sleep(2)  # the first restart would have come after 0.5 s
+    again = store.get_runner(runner_id)
+    assert again is not None and again.status == "Failed" and again.restarts == 0
+    assert worker.process.poll() is None
+
+
+def test_down_stops_the_processes_of_a_launcher_that_is_gone_in_order(
+    local_stack: LocalStack, processes: Processes, tmp_path: Path
+) -> None:
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('deaf')"
+    commands = {  # the api ignores SIGTERM: it gets SIGKILL past its bound
+        "redis": ["sleep", "60"],
+        "api": [sys.executable, "-u", "-c", deaf + "; time.sleep(60)"],
+        "worker": ["sleep", "60"],
+        "flower": ["sleep", "60"],
+    }
+    members = {
+        name: processes.start(argv, local_stack.env, tmp_path / f"{name}.log")
+        for name, argv in commands.items()
+    }
+    wait_until(lambda: "deaf" in (tmp_path / "api.log").read_text(), 10, "the api to ignore TERM")
+    record = StackRecord(
+        # A pid above the kernel's limit: a launcher that is surely gone.
+        launcher=RecordedProcess(name="launcher", pid=2**22 + 1, create_time=0.0),
+        processes=[RecordedProcess.of(n, psutil.Process(p.pid)) for n, p in members.items()],
+    )
+    path = local_stack.data_dir / "run" / "stack.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(record.model_dump_json())
+    down = subprocess.run(
+        [EXO_TASKS, "down"], env=local_stack.env, capture_output=True, text=True, timeout=30
+    )
+    assert down.returncode == 0, down.stderr
+    assert "is gone; stopping what is left of its stack" in down.stdout
+    assert f"worker (pid {members['worker'].pid})" in down.stdout
+    order = [
+        line.split("child=")[1].split()[0]
+        for line in down.stderr.splitlines()
+        if "msg=stopping " in line
+    ]
+    assert order == ["worker", "api", "flower", "redis"], down.stderr
+    assert "did not stop in time; sending SIGKILL" in down.stderr and "child=api" in down.stderr
+    for name, process in members.items():
+        expected = -signal.SIGKILL if name == "api" else -signal.SIGTERM
+        assert process.wait(timeout=2) == expected, name
+    assert not path.exists()
