@@ -35,6 +35,7 @@ from tests.stack import (
     EXO_TASKS,
     Processes,
     RedisServer,
+    embedded_redis_url,
     exo_env,
     free_port,
     start_redis,
@@ -92,7 +93,7 @@ class LocalStack:
         return terminal
 
     def store(self) -> Store:
-        return Store.from_url(f"redis://127.0.0.1:{self.redis_port}/0")
+        return Store.from_url(embedded_redis_url(self.data_dir / "redis", self.redis_port))
 
     def submit_long_jobs(self) -> list[str]:
         """JOBS long jobs, returned once every one streams tokens."""
