@@ -77,7 +77,7 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
         assert launcher.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
         try:
             return requests.get(f"{api}/readyz", timeout=1).status_code == 200
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not up, or still starting
             return False
 
     wait_until(ready, 90, "the stack's /readyz", interval_s=0.5)
@@ -115,5 +115,5 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
 def _answers(url: str) -> bool:
     try:
         return requests.get(url, timeout=1).status_code == 200
-    except requests.ConnectionError:
+    except (requests.ConnectionError, requests.Timeout):  # not up, or still starting
         return False

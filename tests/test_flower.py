@@ -37,7 +37,7 @@ def test_flower_shows_workers_and_task_progress_behind_basic_auth(
     def online() -> dict[str, bool] | None:
         try:
             alive: dict[str, bool] = get("/api/workers?status=1", auth=AUTH).json()
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not up, or still starting
             return None
         # Seen through worker heartbeat events: Flower's event receiver is running.
         return alive if alive.get("exo@fleet-x") and alive.get("exo@fleet-y") else None
