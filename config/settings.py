@@ -13,6 +13,7 @@ from exo_tasks import limits
 
 # Names live in exo_tasks.naming; this stays importable from here for older imports.
 from exo_tasks.naming import model_slug as model_slug
+from exo_tasks.redis_auth import redis_password
 
 TINY_MODEL_DIRNAME = "models/tiny"
 
@@ -26,6 +27,12 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     api_workers: int = 2
+    api_header_timeout_s: float = Field(
+        10.0, gt=0, description="How long a client may take to send its request (then 408)."
+    )
+    api_io_timeout_s: float = Field(
+        30.0, gt=0, description="A stalled read or write on a request being served (then closed)."
+    )
     flower_port: int = 5555
     flower_basic_auth: SecretStr | None = Field(None, description="user:password for Flower.")
     api_token: SecretStr | None = Field(None, description="Set: every route but health needs it.")
@@ -52,6 +59,12 @@ class Settings(BaseSettings):
     decode_timeout_s: float = 5.0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
+    prefill_step_size: int = Field(
+        256,
+        ge=1,
+        description="Prompt tokens a runner prefills per step; each step is progress for the "
+        "prefill stall limit, so a long prompt is work, not a hang.",
+    )
     runner_lanes: int | None = Field(
         None,
         ge=1,
@@ -80,11 +93,22 @@ class Settings(BaseSettings):
         ge=1,
         description="The embedded Redis's memory cap; full, it refuses writes (never evicts).",
     )
+    control_expires_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long a shutdown_runner or load_runner task stays valid in its queue; "
+        "a worker drops (and logs) one that waited longer.",
+    )
     log_level: str = "INFO"
 
     @property
     def effective_redis_url(self) -> str:
-        return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+        """EXO_REDIS_URL, or the embedded Redis with its password (made at first use)."""
+        if self.redis_url:
+            return self.redis_url
+        password = redis_password(self.data_dir / "redis")
+        return f"redis://:{password}@127.0.0.1:{self.redis_port}/0"
 
     @property
     def effective_api_url(self) -> str:

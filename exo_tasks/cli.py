@@ -46,24 +46,8 @@ def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
     from exo_tasks.redis_server import wait_for_redis
 
     wait_for_redis(settings.effective_redis_url)
-    _exec(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--bind",
-            f"{settings.api_host}:{settings.api_port}",
-            "--workers",
-            str(settings.api_workers),
-            "--worker-class",
-            "gthread",
-            "--threads",
-            "32",
-            "--graceful-timeout",
-            "5",
-            "exo_tasks.api:create_app()",
-        ]
-    )
+    conf = "python:exo_tasks.api.gunicorn_conf"
+    _exec([sys.executable, "-m", "gunicorn", "-c", conf, "exo_tasks.api:create_app()"])
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
@@ -91,7 +75,7 @@ def cmd_flower(settings: Settings, _: argparse.Namespace) -> None:
         "-m",
         "celery",
         "-A",
-        "exo_tasks.worker",
+        "exo_tasks.flower_app",
         "flower",
         f"--port={settings.flower_port}",
         "--address=127.0.0.1",

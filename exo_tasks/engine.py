@@ -39,6 +39,11 @@ MAX_AUTO_LANES = 8
 # lanes of 1 job make 17% fewer tokens/s than one lane of 2; two of 4, 7% more than one of 8;
 # two of 16, 61% more than one of 32), so a lane is opened only once the busy ones hold this.
 LANE_MIN_JOBS = 4
+# Prompt tokens a lane prefills per step. A step is the stall watchdog's unit of progress, so
+# it must stay short however long the prompt: on a 2-core CPU (`tiny`, 8,192 tokens) the last
+# step took 6.1 s at mlx-lm's default of 2,048, 1.8 s at 512 and 1.2 s at 256, for the same
+# total (12-13 s). Decoding jobs in the lane also wait one step for their next token.
+PREFILL_STEP_SIZE = 256
 
 
 def default_lanes() -> int:
@@ -188,6 +193,7 @@ class _Lane:
         model: Any,
         completion_batch_size: int,
         prefill_batch_size: int,
+        prefill_step_size: int,
     ) -> None:
         self.submit = submit
         self.jobs: dict[int, _Job] = {}  # by generator uid
@@ -196,6 +202,7 @@ class _Lane:
             model,
             completion_batch_size=completion_batch_size,
             prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
         )
         # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
         self.generator: Any = self.call(self._make)
@@ -227,6 +234,7 @@ class BatchEngine:
         *,
         completion_batch_size: int = 32,
         prefill_batch_size: int = 8,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
         lanes: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer
@@ -240,11 +248,13 @@ class BatchEngine:
         # Lane 0 runs on the caller's thread: one lane (a GPU) costs no thread hop at all.
         submits = [_run_here] + [_LaneThread.number(i).submit for i in range(count - 1)]
         self._lanes = [
-            _Lane(submit, model, per_lane, min(prefill_batch_size, per_lane)) for submit in submits
+            _Lane(submit, model, per_lane, min(prefill_batch_size, per_lane), prefill_step_size)
+            for submit in submits
         ]
         self._where: dict[str, tuple[_Lane, int]] = {}  # job id -> its lane and generator uid
         self._samplers: dict[tuple[float, float], Sampler] = {}
         self._largest_batch = 0
+        self._prefill_chunks = 0
 
     @property
     def lanes(self) -> int:
@@ -258,6 +268,11 @@ class BatchEngine:
     @property
     def active_jobs(self) -> int:
         return len(self._where)
+
+    @property
+    def prefill_chunks(self) -> int:
+        """Prompt chunks the last step prefilled: progress even when no job sampled a token."""
+        return self._prefill_chunks
 
     @property
     def largest_batch(self) -> int:
@@ -317,12 +332,16 @@ class BatchEngine:
         running = [(lane, lane.submit(lane.generator.next)) for lane in busy]
         deltas: list[TokenDelta] = []
         batch = 0
+        self._prefill_chunks = 0
         for lane, future in running:
             try:
-                responses = future.result()[1]
+                prompts, responses = future.result()
             except Exception as exc:  # noqa: BLE001 (one lane's failure is its jobs' alone)
                 deltas.extend(self._lane_failed(lane, exc))
                 continue
+            # One prompt response per prompt in prefill; those at the end of their prompt only
+            # moved to decoding.
+            self._prefill_chunks += sum(1 for p in prompts if not p.end_of_prompt)
             batch += len(responses)
             for r in responses:
                 try:

@@ -1,5 +1,5 @@
-"""The embedded Redis: a `redis-server` bound to loopback, with AOF under EXO_DATA_DIR and a
-memory cap."""
+"""The embedded Redis: a `redis-server` bound to loopback, with AOF under EXO_DATA_DIR, a
+memory cap and a password."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from pathlib import Path
 
 import psutil
 import redis
+from kombu.utils.url import sanitize_url
 
 from config.settings import Settings
 from exo_tasks.errors import ExoError
 from exo_tasks.lifeline import die_with_parent, still_running
+from exo_tasks.redis_auth import redis_auth_conf
 from exo_tasks.store import host_key
 from exo_tasks.types import HostState
 
@@ -78,6 +80,8 @@ def redis_server_argv(port: int, data_dir: Path, maxmemory_mb: int) -> list[str]
         "noeviction",
         "--daemonize",
         "no",
+        "--include",
+        str(redis_auth_conf(data_dir).resolve()),
     ]
 
 
@@ -91,7 +95,8 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
             return
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if time.monotonic() > deadline:
-                raise ExoError(f"Redis at {url} did not answer within {timeout_s:.0f}s") from exc
+                where = sanitize_url(url)  # without its password
+                raise ExoError(f"Redis at {where} did not answer within {timeout_s:.0f}s") from exc
             time.sleep(0.1)
         finally:
             client.close()

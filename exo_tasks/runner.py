@@ -98,6 +98,7 @@ class RunnerSpec(BaseModel):
     restarts: int = 0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
+    prefill_step_size: int = 256
     lanes: int | None = None  # None: the engine's default for the device
     log_level: str = "INFO"
 
@@ -264,6 +265,7 @@ class Runner:
             tokenizer,
             completion_batch_size=self.spec.completion_batch_size,
             prefill_batch_size=self.spec.prefill_batch_size,
+            prefill_step_size=self.spec.prefill_step_size,
             lanes=self.spec.lanes,
         )
         self.state = self.state.model_copy(update={"lanes": self.engine.lanes})
@@ -503,7 +505,8 @@ class Runner:
             self._end(job_id, "succeeded", reason, in_engine=False)
         for job_id, error in failed:
             self._end(job_id, "failed", None, error, in_engine=False)
-        self._record_progress(progressed=bool(deltas))
+        # A chunk of a long prompt prefilled is progress too: a runner busy prefilling is not hung.
+        self._record_progress(progressed=bool(deltas) or self.engine.prefill_chunks > 0)
         self._flush()
 
     def _observe(self, metric: metrics.Metric, elapsed: timedelta, count: int = 1) -> None:

@@ -109,6 +109,7 @@ class RunnerSupervisor:
                 max_prompt_tokens=settings.max_prompt_tokens,
                 completion_batch_size=settings.completion_batch_size,
                 prefill_batch_size=settings.prefill_batch_size,
+                prefill_step_size=settings.prefill_step_size,
                 lanes=settings.runner_lanes,
                 log_level=settings.log_level,
             )
@@ -306,6 +307,14 @@ class RunnerSupervisor:
             )
             return
         if isinstance(request, StopRunnerRequest):
+            process = self.handles[request.runner_id].process
+            pid = process.pid if process is not None else None
+            if request.pid is not None and request.pid != pid:
+                log.warning(
+                    "stale shutdown ignored: the runner it was meant for is gone",
+                    extra={"runner": request.runner_id, "meant_for_pid": request.pid, "pid": pid},
+                )
+                return
             grace = request.command.timeout_s + 1.0 if request.command.mode == "warm" else 1.0
             self.stop_runner(request.runner_id, request.command, grace, on_purpose=True)
         elif isinstance(request, StartRunnerRequest):

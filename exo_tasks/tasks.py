@@ -327,16 +327,21 @@ def _summary(job_id: str, job: JobRecord | None) -> dict[str, Any]:
 
 @shared_task(name=SHUTDOWN_RUNNER_TASK, bind=True)
 def shutdown_runner(
-    self: Task[Any, Any], runner_id: str, mode: str, timeout_s: float
+    self: Task[Any, Any], runner_id: str, mode: str, timeout_s: float, pid: int | None = None
 ) -> dict[str, Any]:
-    """Ask this host's supervisor to stop a runner; wait (bounded) until it has stopped."""
+    """Ask this host's supervisor to stop a runner (the process `pid`, when given); wait
+    (bounded) until it has stopped, or turns out to be another process (the request is stale)."""
     app = _app(self)
     command = StopRunner.model_validate({"mode": mode, "timeout_s": timeout_s})
     app.store.send_to_supervisor(
-        app.settings.hostname, StopRunnerRequest(runner_id=runner_id, command=command)
+        app.settings.hostname, StopRunnerRequest(runner_id=runner_id, command=command, pid=pid)
     )
     bound = timeout_s + 1.0 + TERM_WAIT_S + KILL_WAIT_S + 5.0
-    state = _await_status(app.store, runner_id, lambda s: s.status.is_final, bound)
+
+    def reached(state: RunnerState) -> bool:
+        return state.status.is_final or (pid is not None and state.pid != pid)
+
+    state = _await_status(app.store, runner_id, reached, bound)
     return {"runner_id": runner_id, "status": state.status, "error": state.error}
 
 

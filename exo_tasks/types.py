@@ -340,6 +340,9 @@ class StopRunnerRequest(BaseModel):
     kind: Literal["stop_runner"] = "stop_runner"
     runner_id: str
     command: StopRunner
+    # The runner process it was meant for: once that one is gone (restarted since the request
+    # was sent), the request is stale and ignored. None: whatever runs now.
+    pid: int | None = None
 
 
 class StartRunnerRequest(BaseModel):

@@ -12,7 +12,7 @@ import psutil
 import requests
 
 from tests.conftest import Stack
-from tests.stack import EXO_TASKS, Processes, free_port, wait_until
+from tests.support.processes import EXO_TASKS, Processes, free_port, wait_until
 
 
 def test_model_create_writes_a_loadable_model(tmp_path: Path) -> None:

@@ -35,8 +35,10 @@ def test_a_default_limit_that_could_outlive_redelivery_is_refused() -> None:
     assert settings(job_soft_time_limit_s=3465, job_hard_grace_s=130).job_soft_time_limit_s == 3465
 
 
-def test_redis_url_defaults_to_the_embedded_port() -> None:
-    assert settings(redis_port=6400).effective_redis_url == "redis://127.0.0.1:6400/0"
+def test_redis_url_defaults_to_the_embedded_port_with_its_password(tmp_path: Path) -> None:
+    url = settings(redis_port=6400, data_dir=tmp_path).effective_redis_url
+    password = (tmp_path / "redis" / "password").read_text().strip()
+    assert url == f"redis://:{password}@127.0.0.1:6400/0" and len(password) >= 32
     assert settings(redis_url="redis://h:1/2").effective_redis_url == "redis://h:1/2"
 
 

@@ -31,17 +31,18 @@ import requests
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
 from exo_tasks.store import Store
 from exo_tasks.types import RunnerState, model_queue, runner_id_for
-from tests.stack import (
+from tests.support.processes import (
     EXO_TASKS,
     Processes,
     RedisServer,
+    embedded_redis_url,
     exo_env,
     free_port,
     start_redis,
-    start_worker,
     wait_http,
     wait_until,
 )
+from tests.support.workers import start_worker
 
 HOST = "stack-host"
 LONG = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
@@ -92,7 +93,7 @@ class LocalStack:
         return terminal
 
     def store(self) -> Store:
-        return Store.from_url(f"redis://127.0.0.1:{self.redis_port}/0")
+        return Store.from_url(embedded_redis_url(self.data_dir / "redis", self.redis_port))
 
     def submit_long_jobs(self) -> list[str]:
         """JOBS long jobs, returned once every one streams tokens."""

@@ -52,11 +52,15 @@ def shutdown_runner(runner_id: str) -> tuple[Response, int]:
     timeout_s = body.timeout_s
     if timeout_s is None:
         timeout_s = context.settings.runner_shutdown_grace_s if body.mode == "warm" else 0.0
+    # A live runner is named by its pid: if it is restarted before the task runs, the new one
+    # is not stopped. A failed runner waiting for its restart is stopped whatever its pid.
+    pid = None if state.status.is_final else state.pid
     task = context.celery.send_task(
         SHUTDOWN_RUNNER_TASK,
-        args=[runner_id, body.mode, timeout_s],
+        args=[runner_id, body.mode, timeout_s, pid],
         queue=host_queue(state.host),
         priority=PRIORITY_LEVELS["high"],
+        expires=context.settings.control_expires_s,
     )
     reply = RunnerShutdownReply(
         runner_id=runner_id, task_id=task.id, mode=body.mode, timeout_s=timeout_s
@@ -87,6 +91,7 @@ def load_runner() -> tuple[Response, int]:
         args=[state.id],
         queue=host_queue(state.host),
         priority=PRIORITY_LEVELS["high"],
+        expires=context.settings.control_expires_s,
     )
     reply = RunnerLoadReply(runner_id=state.id, task_id=task.id, host=state.host)
     return jsonify(reply.model_dump(mode="json")), 202

@@ -20,6 +20,7 @@ import psutil
 import requests
 
 from config.settings import Settings
+from exo_tasks.redis_auth import redis_password
 from exo_tasks.redis_server import redis_server_argv, wait_for_redis
 
 EXO_TASKS = str(Path(sys.executable).parent / "exo-tasks")
@@ -104,6 +105,11 @@ class RedisServer:
 DEFAULT_MAXMEMORY_MB: int = Settings.model_fields["redis_maxmemory_mb"].default
 
 
+def embedded_redis_url(redis_dir: Path, port: int) -> str:
+    """The URL of a Redis started on `port` with its data (and password) in `redis_dir`."""
+    return f"redis://:{redis_password(redis_dir)}@127.0.0.1:{port}/0"
+
+
 def start_redis(
     processes: Processes,
     data_dir: Path,
@@ -114,7 +120,7 @@ def start_redis(
     port = port or free_port()
     argv = redis_server_argv(port, data_dir, maxmemory_mb)
     proc = processes.start(argv, dict(os.environ), data_dir / "redis.log")
-    url = f"redis://127.0.0.1:{port}/0"
+    url = embedded_redis_url(data_dir, port)
     wait_for_redis(url, timeout_s=10)
     return RedisServer(url=url, port=port, process=proc)
 

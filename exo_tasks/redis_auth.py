@@ -1,0 +1,41 @@
+"""The embedded Redis's password: made at its first start, kept in a file only the stack's user
+can read, and never on a command line (every local user sees those in `ps`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+PASSWORD_FILE = "password"
+CONF_FILE = "auth.conf"  # redis-server reads it with `--include`: the password off its argv
+
+
+def redis_password(redis_dir: Path) -> str:
+    """The password in `redis_dir`, made if missing. Every process of a stack starting at once
+    gets the same one: it is written aside and linked into place, which only one can do."""
+    path = redis_dir / PASSWORD_FILE
+    if not path.exists():
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        draft = redis_dir / f".{PASSWORD_FILE}.{os.getpid()}"
+        _write_private(draft, secrets.token_urlsafe(32))
+        with contextlib.suppress(FileExistsError):  # another process was first: use its
+            os.link(draft, path)
+        draft.unlink()
+    return path.read_text().strip()
+
+
+def redis_auth_conf(redis_dir: Path) -> Path:
+    """A config file for redis-server that sets the password (`requirepass`)."""
+    path = redis_dir / CONF_FILE
+    _write_private(path, f"requirepass {redis_password(redis_dir)}\n")
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by this user alone from the first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        file.write(text)

@@ -1,0 +1,57 @@
+"""A long prompt is work, not a hang: its prefill runs in chunks, each progress for the stall
+watchdog, so a prefill longer than EXO_PREFILL_TIMEOUT_S succeeds; a runner that truly hangs in
+prefill is still stopped. The limit is set low here (2 s): what matters is the ratio."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from tests.conftest import Stack, new_worker, runner_state, wait_runner
+from tests.support.processes import Processes, wait_until
+
+PREFILL_TIMEOUT_S = 2
+# About 6,300 tokens with the tiny model's character tokenizer: 4-8 s of prefill on 2 cores, in
+# steps of at most 0.3-0.6 s (a step's cost grows along the prompt): the limit is passed several
+# times over, each step well within it even when other processes share the cores.
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog. " * 140
+
+
+def test_a_prefill_longer_than_the_stall_limit_succeeds_beside_another_job(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "lp-busy", prefill_timeout_s=2)
+    pid = runner_state(stack.store, "lp-busy").pid
+    started = time.monotonic()
+    long_job = stack.api.submit(prompt=LONG_PROMPT, max_tokens=2, host="lp-busy")
+    other = stack.api.submit(prompt="hello", max_tokens=16, ignore_eos=True, host="lp-busy")
+    done = stack.api.wait_job(long_job, timeout_s=120)
+    elapsed = time.monotonic() - started
+    assert done["status"] == "succeeded", done
+    assert done["usage"]["prompt_tokens"] > 6000
+    assert elapsed > 1.5 * PREFILL_TIMEOUT_S, f"prefill took only {elapsed:.1f}s: prompt too short"
+    assert stack.api.wait_job(other)["status"] == "succeeded"
+    state = runner_state(stack.store, "lp-busy")
+    assert state.pid == pid and state.status.accepts_jobs, state
+
+
+def test_a_runner_stopped_in_prefill_is_still_failed_as_stalled(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    new_worker(stack, processes, tiny_model, tmp_path, "lp-hung", prefill_timeout_s=2)
+    pid = runner_state(stack.store, "lp-hung").pid
+    assert pid is not None
+    job_id = stack.api.submit(prompt=LONG_PROMPT, max_tokens=2, host="lp-hung")
+    wait_until(
+        lambda: stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "running", 30, "running"
+    )
+    os.kill(pid, signal.SIGSTOP)  # in prefill: the prompt takes seconds, it just started
+    hung = time.monotonic()
+    job = stack.api.wait_job(job_id, timeout_s=PREFILL_TIMEOUT_S + 5)
+    assert time.monotonic() - hung < PREFILL_TIMEOUT_S + 3
+    assert job["status"] == "failed" and "stalled in prefill" in job["error"], job
+    state = wait_runner(stack.store, "lp-hung", "Failed", 10)
+    assert state.error is not None and state.error.startswith("stalled in prefill")
+    assert wait_runner(stack.store, "lp-hung", "Ready", 60).pid != pid
