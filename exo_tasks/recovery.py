@@ -42,6 +42,9 @@ LEASE_TTL_S = 3 * SWEEP_INTERVAL_S
 # A message taken by a live worker shows in that worker's next heartbeat; one older than this
 # that no live worker lists is orphaned.
 UNACKED_GRACE_S = HEARTBEAT_TTL_S
+# A task that started this long after its runner's start timeout without handing its job over
+# is stuck in its pool child (seen under heavy load: a task started and never went further).
+STUCK_MARGIN_S = 60.0
 # A queued job whose message is nowhere is sent again only once it was seen so this far apart
 # (the API records a job a moment before it sends the message).
 LOST_GRACE_S = 5.0
@@ -111,12 +114,14 @@ class Recovery:
         *,
         host: str,
         incarnation: str,
+        stuck_after_s: float,
     ) -> None:
         self.store = store
         self.broker = broker
         self.resend = resend
         self.host = host
         self.incarnation = incarnation
+        self.stuck_after_s = stuck_after_s
         self._missing_since: dict[str, float] = {}
         self._closing = threading.Event()
 
@@ -155,7 +160,9 @@ class Recovery:
         hosts, runners = self.store.fleet()
         active = self.store.active_jobs()
         messages = self.broker.messages(job.queue for job in active if job.queue)
-        self._restore_orphaned_messages(messages, {tag for h in hosts for tag in h.held}, now)
+        held = {tag for h in hosts for tag in h.held}
+        queued = {job.id for job in active if job.status == JobStatus.QUEUED}
+        self._restore_orphaned_messages(messages, held, queued, now)
         live = {h.incarnation for h in hosts}
         self._requeue_running(
             active, lambda owner: owner not in live, "its worker is gone (no heartbeat)"
@@ -163,9 +170,16 @@ class Recovery:
         self._resend_lost(active, messages, now)
         self._fail_runners_of_gone_hosts({h.name for h in hosts}, runners)
 
-    def _restore_orphaned_messages(self, messages: Messages, held: set[str], now: float) -> None:
+    def _restore_orphaned_messages(
+        self, messages: Messages, held: set[str], queued: set[str], now: float
+    ) -> None:
+        """Messages no live worker holds, and those a live worker started so long ago that its
+        job should have been handed over (or failed) by then: its pool child is stuck."""
         orphaned = [
-            u.tag for u in messages.unacked if u.tag not in held and u.age_s(now) > UNACKED_GRACE_S
+            u.tag
+            for u in messages.unacked
+            if (u.tag not in held and u.age_s(now) > UNACKED_GRACE_S)
+            or (u.task_id in queued and u.age_s(now) > self.stuck_after_s)
         ]
         if orphaned:
             self.broker.restore(orphaned)

@@ -66,6 +66,8 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             lambda job: jobs.send(app, settings, job),
             host=settings.hostname,
             incarnation=app.incarnation,
+            # A task waits this long at most for its runner before it hands the job over.
+            stuck_after_s=settings.runner_start_timeout_s + recovery.STUCK_MARGIN_S,
         )
 
         def on_stopped() -> None:

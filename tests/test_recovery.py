@@ -8,6 +8,7 @@ as a second host of a fleet would.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -17,9 +18,10 @@ from pathlib import Path
 import requests
 
 from exo_tasks import broker, jobs
+from exo_tasks.broker import Broker
 from exo_tasks.naming import host_queue
-from exo_tasks.recovery import HEARTBEAT_TTL_S
-from exo_tasks.types import JobRecord, JobRequest
+from exo_tasks.recovery import HEARTBEAT_TTL_S, Recovery
+from exo_tasks.types import HostState, JobRecord, JobRequest, utcnow
 from tests.conftest import Stack, new_worker, runner_state, wait_tokens
 from tests.support.processes import Processes, wait_until
 from tests.support.workers import Worker
@@ -185,3 +187,49 @@ def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(
     assert stack.api.get(f"/v1/jobs/{job.id}").json()["status"] == "queued"  # not failed
     assert stack.api.post("/v1/runners", json={"model": "tiny", "host": host}).status_code == 202
     assert stack.api.wait_job(job.id, timeout_s=60)["status"] == "succeeded"
+
+
+def test_a_message_started_but_stuck_in_a_live_workers_pool_goes_back_to_its_queue(
+    stack: Stack,
+) -> None:
+    # Seen under heavy load: a pool child accepted a task and never went further, its job
+    # queued for good behind a live worker that lists the message as held.
+    queue, tag = f"exo.model.stuck-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    job = JobRecord(
+        id=uuid.uuid4().hex,
+        model="stuck",
+        request=JobRequest.model_validate({"prompt": "x", "max_tokens": 1}),
+    )
+    stack.store.create_job(job, queue, max_queued=10)
+    message = {
+        "body": "",
+        "headers": {"id": job.id},
+        "properties": {"delivery_tag": tag, "priority": 5, "delivery_info": {}},
+    }
+    started = time.time() - 2
+    stack.store.redis.hset(broker.UNACKED, tag, json.dumps([message, "", queue]))
+    stack.store.redis.zadd(broker.UNACKED_INDEX, {tag: started})
+    holder = HostState(
+        name="stuck-host",
+        pid=1,
+        incarnation="stuck-host:1:1",
+        models=[],
+        held=[tag],
+        started_at=utcnow(),
+    )
+    stack.store.publish_host(holder, HEARTBEAT_TTL_S)
+    context = stack.api.app.extensions["exo"]
+    loop = Recovery(
+        stack.store,
+        Broker(stack.store.redis, context.celery.connection_for_write),
+        lambda job: None,
+        host="stuck-host",
+        incarnation="stuck-host:1:1",
+        stuck_after_s=60,
+    )
+    loop.sweep()  # held, and started only 2 s ago: left alone
+    assert not in_a_queue(stack, job.id, queue)
+    loop.stuck_after_s = 1
+    loop.sweep()
+    assert in_a_queue(stack, job.id, queue)
+    assert stack.store.redis.hget(broker.UNACKED, tag) is None
