@@ -343,16 +343,23 @@ class BatchEngine:
             # moved to decoding.
             self._prefill_chunks += sum(1 for p in prompts if not p.end_of_prompt)
             batch += len(responses)
-            for r in responses:
-                try:
-                    deltas.append(self._delta(lane, r))
-                except Exception as exc:  # a detokenizer's failure is its job's alone
-                    log.exception("decoding a job's token failed")
-                    deltas.extend(self._fail(lane, [r.uid], f"decoding failed: {exc!r}"))
-            for uid, job in list(lane.jobs.items()):
-                if isinstance(job.sampler, _GuardedSampler) and job.sampler.error:
-                    deltas.extend(self._fail(lane, [uid], job.sampler.error))
+            deltas.extend(self._lane_deltas(lane, responses))
         self._largest_batch = max(self._largest_batch, batch)
+        return deltas
+
+    def _lane_deltas(self, lane: _Lane, responses: list[Any]) -> list[TokenDelta]:
+        """One lane's step as deltas; a job whose token could not be decoded, or whose own
+        sampler failed, fails alone."""
+        deltas: list[TokenDelta] = []
+        for r in responses:
+            try:
+                deltas.append(self._delta(lane, r))
+            except Exception as exc:  # a detokenizer's failure is its job's alone
+                log.exception("decoding a job's token failed")
+                deltas.extend(self._fail(lane, [r.uid], f"decoding failed: {exc!r}"))
+        for uid, job in list(lane.jobs.items()):
+            if isinstance(job.sampler, _GuardedSampler) and job.sampler.error:
+                deltas.extend(self._fail(lane, [uid], job.sampler.error))
         return deltas
 
     def _lane_failed(self, lane: _Lane, exc: Exception) -> list[TokenDelta]:

@@ -127,24 +127,28 @@ def stop_in_order(members: list[Member], settings: Settings, signals: Callable[[
         for member in group:
             log.info("stopping", extra={"child": member.name, "pid": member.process.pid})
             member.signal(signal.SIGTERM)
-        deadline = time.monotonic() + stage.bound_s
-        urgent_sent = False
-        while (running := [m for m in group if m.alive()]) and time.monotonic() < deadline:
-            if stage.urgent is not None and signals() > 1 and not urgent_sent:
-                for member in running:
-                    log.info("second signal: stopping at once", extra={"child": member.name})
-                    member.signal(stage.urgent)
-                urgent_sent = True
-            time.sleep(POLL_S)
-        for member in running:
-            log.error(
-                "did not stop in time; sending SIGKILL",
-                extra={"child": member.name, "pid": member.process.pid, "bound_s": stage.bound_s},
-            )
+        for member in _wait_stage(stage, group, signals):
+            extra = {"child": member.name, "pid": member.process.pid, "bound_s": stage.bound_s}
+            log.error("did not stop in time; sending SIGKILL", extra=extra)
             member.kill()
         for member in group:
             if member.wait(1.0):
                 log.info("stopped", extra={"child": member.name, "exitcode": member.exitcode})
+
+
+def _wait_stage(stage: Stage, group: list[Member], signals: Callable[[], int]) -> list[Member]:
+    """Wait up to the stage's bound for `group` to exit, passing a second stop signal on as the
+    stage's urgent one; returns the members still running."""
+    deadline = time.monotonic() + stage.bound_s
+    urgent_sent = False
+    while (running := [m for m in group if m.alive()]) and time.monotonic() < deadline:
+        if stage.urgent is not None and signals() > 1 and not urgent_sent:
+            for member in running:
+                log.info("second signal: stopping at once", extra={"child": member.name})
+                member.signal(stage.urgent)
+            urgent_sent = True
+        time.sleep(POLL_S)
+    return running
 
 
 # --- the stack file: which launcher and processes run from a data dir ---

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from pydantic import BaseModel
@@ -43,6 +43,9 @@ from exo_tasks.types import (
     TokenEvent,
     utcnow,
 )
+
+if TYPE_CHECKING:  # the engine imports MLX, which only load() needs
+    from exo_tasks.engine import TokenDelta
 
 log = logging.getLogger("exo_tasks.runner")
 INBOX_POLL_S = 1.0
@@ -487,17 +490,9 @@ class Runner:
             if delta.error is not None:  # the engine took the job out: its step failed
                 failed.append((delta.job_id, delta.error))
                 continue
-            if job.record.first_token_at is None:
-                job.record.first_token_at = now
-                self._observe(metrics.TIME_TO_FIRST_TOKEN, now - job.record.created_at)
-            elif job.last_token_at is not None and delta.completion_tokens > job.completion_tokens:
-                new = delta.completion_tokens - job.completion_tokens
-                self._observe(metrics.INTER_TOKEN_LATENCY, (now - job.last_token_at) / new, new)
-            job.last_token_at = now
-            job.completion_tokens = delta.completion_tokens
-            if delta.text:
-                job.text.append(delta.text)
-                tokens.append((delta.job_id, TokenEvent(index=len(job.text) - 1, text=delta.text)))
+            token = self._take_token(job, delta, now)
+            if token is not None:
+                tokens.append((delta.job_id, token))
             if delta.finish_reason is not None:
                 finished.append((delta.job_id, delta.finish_reason))
         self.unsent_tokens.extend(tokens)
@@ -508,6 +503,21 @@ class Runner:
         # A chunk of a long prompt prefilled is progress too: a runner busy prefilling is not hung.
         self._record_progress(progressed=bool(deltas) or self.engine.prefill_chunks > 0)
         self._flush()
+
+    def _take_token(self, job: ActiveJob, delta: TokenDelta, now: datetime) -> TokenEvent | None:
+        """Count a job's step (its latency metrics too); the event for its new text, if any."""
+        if job.record.first_token_at is None:
+            job.record.first_token_at = now
+            self._observe(metrics.TIME_TO_FIRST_TOKEN, now - job.record.created_at)
+        elif job.last_token_at is not None and delta.completion_tokens > job.completion_tokens:
+            new = delta.completion_tokens - job.completion_tokens
+            self._observe(metrics.INTER_TOKEN_LATENCY, (now - job.last_token_at) / new, new)
+        job.last_token_at = now
+        job.completion_tokens = delta.completion_tokens
+        if not delta.text:
+            return None
+        job.text.append(delta.text)
+        return TokenEvent(index=len(job.text) - 1, text=delta.text)
 
     def _observe(self, metric: metrics.Metric, elapsed: timedelta, count: int = 1) -> None:
         self.observations.observe(metric, elapsed.total_seconds(), count, model=self.spec.model)

@@ -98,20 +98,11 @@ class SlowClientSafeWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn is u
         buffered = conn.parser is not None and conn.parser.unreader.buf.getvalue()
         if self.cfg.is_ssl or buffered:  # TLS reads records; read-ahead bytes are a request
             return super().handle(conn)
-        incoming: _Incoming | None = getattr(conn, "exo_incoming", None)
-        while incoming is None or not incoming.whole(self.max_body_bytes):
-            try:
-                data = conn.sock.recv(RECV_BYTES)
-            except BlockingIOError:
-                break
-            except OSError:
-                data = b""
-            if not data:  # the client closed, or reset
-                util.close(conn.sock)
-                return False
-            if incoming is None:
-                incoming = conn.exo_incoming = _Incoming(time.monotonic() + self.header_timeout_s)
-            incoming.data += data
+        try:
+            incoming = self._read_available(conn)
+        except ConnectionError:  # the client closed, or reset
+            util.close(conn.sock)
+            return False
         if incoming is None:
             return _DEFER
         if incoming.whole(self.max_body_bytes):
@@ -127,3 +118,21 @@ class SlowClientSafeWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn is u
             util.close(conn.sock)  # not gunicorn's graceful close: it lingers in the main loop
             return False
         return _DEFER
+
+    def _read_available(self, conn: Any) -> _Incoming | None:
+        """Add what the client has sent so far to the connection's request; None while it has
+        sent nothing. ConnectionError when it closed or reset."""
+        incoming: _Incoming | None = getattr(conn, "exo_incoming", None)
+        while incoming is None or not incoming.whole(self.max_body_bytes):
+            try:
+                data = conn.sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                raise ConnectionError from exc
+            if not data:
+                raise ConnectionError
+            if incoming is None:
+                incoming = conn.exo_incoming = _Incoming(time.monotonic() + self.header_timeout_s)
+            incoming.data += data
+        return incoming

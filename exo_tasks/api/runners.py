@@ -73,19 +73,7 @@ def load_runner() -> tuple[Response, int]:
     """Send `load_runner` to a host that serves the model and has its runner stopped."""
     context = ctx()
     body = RunnerLoadBody.model_validate(json_body())
-    runners = [r for r in context.store.list_runners() if find_model(body.model, [r.model])]
-    if body.host is not None:
-        runners = [r for r in runners if r.id == runner_id_for(r.model, body.host)]
-    if not runners:
-        where = f" on host '{body.host}'" if body.host else ""
-        raise NotFound(f"no runner for model '{body.model}'{where}", {"field": "model"})
-    stopped = [r for r in runners if r.is_down]
-    if not stopped:
-        raise Conflict(
-            f"runner '{runners[0].id}' is already {runners[0].status}",
-            {"status": runners[0].status},
-        )
-    state = stopped[0]
+    state = _stopped_runner(context.store.list_runners(), body)
     task = context.celery.send_task(
         LOAD_RUNNER_TASK,
         args=[state.id],
@@ -95,3 +83,24 @@ def load_runner() -> tuple[Response, int]:
     )
     reply = RunnerLoadReply(runner_id=state.id, task_id=task.id, host=state.host)
     return jsonify(reply.model_dump(mode="json")), 202
+
+
+def _stopped_runner(runners: list[RunnerState], body: RunnerLoadBody) -> RunnerState:
+    """The runner to load for `body`: 404 when none serves the model (on that host), 409 when
+    none of them is down."""
+    runners = [
+        r
+        for r in runners
+        if find_model(body.model, [r.model])
+        and (body.host is None or r.id == runner_id_for(r.model, body.host))
+    ]
+    if not runners:
+        where = f" on host '{body.host}'" if body.host else ""
+        raise NotFound(f"no runner for model '{body.model}'{where}", {"field": "model"})
+    stopped = [r for r in runners if r.is_down]
+    if not stopped:
+        raise Conflict(
+            f"runner '{runners[0].id}' is already {runners[0].status}",
+            {"status": runners[0].status},
+        )
+    return stopped[0]
