@@ -17,8 +17,6 @@ import functools
 import logging
 import math
 import os
-import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from exo_tasks.lane_threads import LaneThread, run_here
 from exo_tasks.types import ChatMessage, SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -135,54 +134,6 @@ def _seeded_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
     return sample
 
 
-class _LaneThread:
-    """A thread that runs the calls given to it one at a time, for as long as the process lives.
-
-    MLX gives each thread its own generation stream (mlx-lm's stream is thread-local). A thread
-    that used one must not end: a process that exits while such a thread is being torn down
-    aborts (std::terminate, seen in about half of the exits). So lane threads are daemons,
-    made once and shared by the engines of a process (a runner has one engine).
-    """
-
-    _made: list[_LaneThread] = []
-    _made_lock = threading.Lock()
-
-    @classmethod
-    def number(cls, index: int) -> _LaneThread:
-        with cls._made_lock:
-            while len(cls._made) <= index:
-                cls._made.append(cls(f"engine-lane-{len(cls._made) + 1}"))  # lane 0: the caller
-            return cls._made[index]
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        future: Future[T] = Future()
-        self._calls.put((future, functools.partial(fn, *args, **kwargs)))
-        return future
-
-    def _serve(self) -> None:
-        while True:
-            future, call = self._calls.get()
-            _settle(future, call)
-
-
-def _run_here(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-    """Lane 0's `submit`: it runs on the engine's caller's thread, at once."""
-    future: Future[T] = Future()
-    _settle(future, functools.partial(fn, *args, **kwargs))
-    return future
-
-
-def _settle(future: Future[T], call: Callable[[], T]) -> None:
-    try:
-        future.set_result(call())
-    except Exception as exc:  # noqa: BLE001 (the caller gets it from the future)
-        future.set_exception(exc)
-
-
 class _Lane:
     """A BatchGenerator and the one thread that drives it (an MLX stream belongs to its thread,
     so every call on the generator goes through that thread)."""
@@ -246,7 +197,7 @@ class BatchEngine:
         count = min(lanes or default_lanes(), completion_batch_size)
         per_lane = math.ceil(completion_batch_size / count)
         # Lane 0 runs on the caller's thread: one lane (a GPU) costs no thread hop at all.
-        submits = [_run_here] + [_LaneThread.number(i).submit for i in range(count - 1)]
+        submits = [run_here] + [LaneThread.number(i).submit for i in range(count - 1)]
         self._lanes = [
             _Lane(submit, model, per_lane, min(prefill_batch_size, per_lane), prefill_step_size)
             for submit in submits

@@ -14,18 +14,12 @@ from config.celery import PRIORITY_LEVELS
 from config.settings import Settings
 from exo_tasks import lifecycle, limits
 from exo_tasks.celery_app import INFERENCE_TASK
+from exo_tasks.commands import CancelJob
 from exo_tasks.errors import Conflict, NotFound, QueueFull
 from exo_tasks.fleet import Fleet
 from exo_tasks.naming import find_model, host_queue, model_queue
 from exo_tasks.store import Store
-from exo_tasks.types import (
-    CancelJob,
-    DoneEvent,
-    JobEvent,
-    JobRecord,
-    JobRequest,
-    JobStatus,
-)
+from exo_tasks.types import DoneEvent, JobEvent, JobRecord, JobRequest, JobStatus
 
 # A follower of a job's events wakes this often when nothing happens (an SSE keepalive).
 FOLLOW_SLICE_MS = 1000

@@ -28,18 +28,15 @@ import redis
 from pydantic import BaseModel
 
 from exo_tasks import lifecycle, metrics
+from exo_tasks.commands import CancelJob, RunnerCommand, StopRunner, SubmitJob
 from exo_tasks.logs import configure_logging
 from exo_tasks.store import Store, UnreadableCommand, is_out_of_memory
 from exo_tasks.types import (
-    CancelJob,
     FinishReason,
     JobRecord,
     JobStatus,
-    RunnerCommand,
     RunnerState,
     RunnerStatus,
-    StopRunner,
-    SubmitJob,
     TokenEvent,
     utcnow,
 )

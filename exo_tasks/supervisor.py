@@ -17,65 +17,31 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
 from config.settings import Settings
 from exo_tasks import metrics, runner
+from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
-from exo_tasks.types import (
-    RunnerState,
-    RunnerStatus,
-    StartRunnerRequest,
-    StopRunner,
-    StopRunnerRequest,
-    SupervisorRequest,
-    utcnow,
+from exo_tasks.supervision import (
+    HEALTHY_UPTIME_S,
+    KILL_WAIT_S,
+    TERM_WAIT_S,
+    RunnerHandle,
+    ServingCallback,
+    StoppedCallback,
+    exit_cause,
+    restart_backoff_s,
 )
+from exo_tasks.types import RunnerState, RunnerStatus, utcnow
 
 log = logging.getLogger("exo_tasks.supervisor")
-TERM_WAIT_S = 5.0
-KILL_WAIT_S = 5.0
 WATCH_INTERVAL_S = 0.1
 CONTROL_POLL_S = 1.0
 REAP_WAIT_S = 1.0
-# A runner that stayed up this long had recovered: its next crash starts a new count.
-HEALTHY_UPTIME_S = 60.0
 _spawn = multiprocessing.get_context("spawn")
-
-
-def exit_cause(exitcode: int | None) -> str:
-    """exo's wording: 'Terminated (signal 9 SIGKILL)' for a signal, 'exitcode=N' otherwise."""
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        return f"Terminated (signal {-exitcode} {signal.Signals(-exitcode).name})"
-    return f"exitcode={exitcode}"
-
-
-def restart_backoff_s(failures_in_a_row: int) -> float:
-    return float(min(30.0, 0.5 * 2 ** max(failures_in_a_row - 1, 0)))
-
-
-@dataclass
-class RunnerHandle:
-    spec: runner.RunnerSpec
-    process: BaseProcess | None = None
-    progress: runner.RunnerProgress | None = None
-    started_monotonic: float = 0.0
-    failures_in_a_row: int = 0
-    restarts: int = 0
-    stop: StopRunner | None = None  # set while an intended stop is under way
-    stall: str | None = None  # set while a hung runner is being stopped
-    restart_at: float | None = None
-
-
-# Called with (model, serving?) when a runner stops or starts serving on purpose.
-ServingCallback = Callable[[str, bool], None]
-# Called once every runner has stopped for good: the host leaves the fleet.
-StoppedCallback = Callable[[], None]
 
 
 class RunnerSupervisor:

@@ -23,22 +23,18 @@ from exo_tasks.celery_app import (
     SHUTDOWN_RUNNER_TASK,
     ExoCelery,
 )
-from exo_tasks.errors import ExoError, RunnerGone
-from exo_tasks.naming import runner_id_for
-from exo_tasks.store import Store
-from exo_tasks.supervisor import KILL_WAIT_S, TERM_WAIT_S
-from exo_tasks.types import (
+from exo_tasks.commands import (
     CancelJob,
-    JobRecord,
-    JobStatus,
-    RequeuedEvent,
-    RunnerState,
-    RunnerStatus,
     StartRunnerRequest,
     StopRunner,
     StopRunnerRequest,
     SubmitJob,
 )
+from exo_tasks.errors import ExoError, RunnerGone
+from exo_tasks.naming import runner_id_for
+from exo_tasks.store import Store
+from exo_tasks.supervision import KILL_WAIT_S, TERM_WAIT_S
+from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent, RunnerState, RunnerStatus
 
 log = logging.getLogger("exo_tasks.tasks")
 # The wait for a job's ending is cut into slices, to check on its runner and report progress.

@@ -300,59 +300,6 @@ class RequeuedEvent(BaseModel):
 JobEvent = Annotated[TokenEvent | DoneEvent | RequeuedEvent, Field(discriminator="event")]
 
 
-# --- Commands to a runner (its Redis inbox) ---
-
-
-class SubmitJob(BaseModel):
-    kind: Literal["submit"] = "submit"
-    job: JobRecord = Field(description="The job as its task marked it running.")
-    soft_deadline: float = Field(
-        description="Unix time after which the runner ends the job timed_out: the soft time "
-        "limit, kept by the runner too, since the signal that brings it to the task can be lost."
-    )
-    deadline: float = Field(description="Unix time after which the runner drops the job (failed).")
-
-
-class CancelJob(BaseModel):
-    kind: Literal["cancel"] = "cancel"
-    job_id: str
-    reason: Literal["cancelled", "time_limit"] = "cancelled"
-
-
-class StopRunner(BaseModel):
-    """Warm: finish in-flight jobs for up to `timeout_s`; hard: end them now. Jobs still running
-    then end with finish_reason `shutdown`, or go back to the queue when `requeue` (the whole
-    worker is stopping, so another worker or a restart will run them)."""
-
-    kind: Literal["stop"] = "stop"
-    mode: Literal["warm", "hard"] = "warm"
-    timeout_s: float = Field(30.0, ge=0)
-    requeue: bool = False
-
-
-RunnerCommand = Annotated[SubmitJob | CancelJob | StopRunner, Field(discriminator="kind")]
-
-
-# --- Requests to a host's runner supervisor (from the shutdown_runner and load_runner tasks) ---
-
-
-class StopRunnerRequest(BaseModel):
-    kind: Literal["stop_runner"] = "stop_runner"
-    runner_id: str
-    command: StopRunner
-    # The runner process it was meant for: once that one is gone (restarted since the request
-    # was sent), the request is stale and ignored. None: whatever runs now.
-    pid: int | None = None
-
-
-class StartRunnerRequest(BaseModel):
-    kind: Literal["start_runner"] = "start_runner"
-    runner_id: str
-
-
-SupervisorRequest = Annotated[StopRunnerRequest | StartRunnerRequest, Field(discriminator="kind")]
-
-
 class StatusChange(BaseModel):
     status: RunnerStatus
     at: datetime

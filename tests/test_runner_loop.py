@@ -10,17 +10,10 @@ from typing import Any, cast
 import pytest
 
 from exo_tasks import runner as runner_module
+from exo_tasks.commands import StopRunner, SubmitJob
 from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec
 from exo_tasks.store import Store
-from exo_tasks.types import (
-    JobRecord,
-    JobRequest,
-    JobStatus,
-    RunnerStatus,
-    SamplingParams,
-    StopRunner,
-    SubmitJob,
-)
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, RunnerStatus, SamplingParams
 
 
 class FakeStore:

@@ -17,8 +17,9 @@ import psutil
 import pytest
 
 from config.settings import Settings
+from exo_tasks.commands import SubmitJob
 from exo_tasks.naming import runner_id_for
-from exo_tasks.types import JobRecord, JobRequest, JobStatus, SubmitJob, utcnow
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
 from tests.conftest import (
     LONG,
     Stack,

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 from exo_tasks import broker, lifecycle
+from exo_tasks.commands import SubmitJob
 from exo_tasks.metrics import Observations
 from exo_tasks.store import Store
-from exo_tasks.types import JobRecord, JobRequest, JobStatus, SubmitJob, TokenEvent, utcnow
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, TokenEvent, utcnow
+from tests.support.processes import Processes, start_redis
 
 
 def new_job(model: str = "m") -> JobRecord:
@@ -124,8 +127,11 @@ def test_a_cancelled_job_ends_cancelled_instead_of_going_back_to_the_queue(store
     assert job.id not in {j.id for j in store.active_jobs()}
 
 
-def test_the_recovery_lease_has_one_holder_until_it_lapses(store: Store) -> None:
-    store.redis.delete("exo:recovery:lease")
+def test_the_recovery_lease_has_one_holder_until_it_lapses(
+    processes: Processes, tmp_path: Path
+) -> None:
+    # A Redis of its own: the session's workers run recovery loops that take the lease too.
+    store = Store.from_url(start_redis(processes, tmp_path / "redis").url)
     assert store.hold_lease("a", 0.3)
     assert store.hold_lease("a", 0.3)  # renewed
     assert not store.hold_lease("b", 0.3)

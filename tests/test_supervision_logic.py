@@ -6,7 +6,7 @@ import multiprocessing
 import time
 
 from exo_tasks.runner import RunnerProgress
-from exo_tasks.supervisor import exit_cause, restart_backoff_s
+from exo_tasks.supervision import exit_cause, restart_backoff_s
 
 
 def test_exit_causes_use_exos_wording() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import TypeAdapter
 
+from exo_tasks.commands import SupervisorRequest
 from exo_tasks.store.client import RedisPart
 from exo_tasks.store.keys import (
     HOSTS,
@@ -14,7 +15,7 @@ from exo_tasks.store.keys import (
     runner_key,
     supervisor_key,
 )
-from exo_tasks.types import HostState, JobRecord, RunnerState, SupervisorRequest
+from exo_tasks.types import HostState, JobRecord, RunnerState
 
 _supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequest)
 

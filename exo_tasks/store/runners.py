@@ -9,18 +9,14 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter, ValidationError
 
 from exo_tasks import lifecycle
+from exo_tasks.commands import RunnerCommand, SubmitJob
 from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
     RUNNERS,
     job_key,
     runner_key,
 )
-from exo_tasks.types import (
-    RunnerCommand,
-    RunnerState,
-    StatusChange,
-    SubmitJob,
-)
+from exo_tasks.types import RunnerState, StatusChange
 
 RUNNER_HISTORY_KEPT = 50
 

@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo_tasks import engine as engine_module
+from exo_tasks.commands import SubmitJob
 from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
 from exo_tasks.store import events_key, job_key, runner_key
-from exo_tasks.types import HostState, JobRecord, JobRequest, JobStatus, SubmitJob, utcnow
+from exo_tasks.types import HostState, JobRecord, JobRequest, JobStatus, utcnow
 from tests.conftest import Stack, runner_state
 from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, start_redis

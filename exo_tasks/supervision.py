@@ -1,0 +1,51 @@
+"""The runner supervisor's rules and records: how long each step of its escalation waits, how
+a runner's exit is worded, how long a crashed runner waits before its restart, and what the
+supervisor keeps of each runner. No processes are started or signalled here."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+from exo_tasks import runner
+from exo_tasks.commands import StopRunner
+
+# Called with (model, serving?) when a runner stops or starts serving on purpose.
+ServingCallback = Callable[[str, bool], None]
+# Called once every runner has stopped for good: the host leaves the fleet.
+StoppedCallback = Callable[[], None]
+
+# The escalation: after the grace, SIGTERM and wait this long, then SIGKILL and wait this long.
+TERM_WAIT_S = 5.0
+KILL_WAIT_S = 5.0
+
+# A runner that stayed up this long had recovered: its next crash starts a new count.
+HEALTHY_UPTIME_S = 60.0
+
+
+def exit_cause(exitcode: int | None) -> str:
+    """exo's wording: 'Terminated (signal 9 SIGKILL)' for a signal, 'exitcode=N' otherwise."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"Terminated (signal {-exitcode} {signal.Signals(-exitcode).name})"
+    return f"exitcode={exitcode}"
+
+
+def restart_backoff_s(failures_in_a_row: int) -> float:
+    return float(min(30.0, 0.5 * 2 ** max(failures_in_a_row - 1, 0)))
+
+
+@dataclass
+class RunnerHandle:
+    spec: runner.RunnerSpec
+    process: BaseProcess | None = None
+    progress: runner.RunnerProgress | None = None
+    started_monotonic: float = 0.0
+    failures_in_a_row: int = 0
+    restarts: int = 0
+    stop: StopRunner | None = None  # set while an intended stop is under way
+    stall: str | None = None  # set while a hung runner is being stopped
+    restart_at: float | None = None
