@@ -345,5 +345,6 @@ class HostState(BaseModel):
         description="Delivery tags of the broker messages this worker holds unacknowledged.",
     )
     models: list[str] = Field(description="Slugs of the models this host serves.")
+    concurrency: int | None = Field(None, description="Pool children: tasks it runs at once.")
     started_at: datetime
     updated_at: datetime = Field(default_factory=utcnow)

@@ -70,7 +70,7 @@ class RunnerDetail(RunnerState):
 
 
 class HostInfo(BaseModel):
-    """GET /v1/hosts: a live worker, as it answers Celery's inspect, with its runners and the
+    """GET /v1/hosts: a live worker, as its heartbeat announces it, with its runners and the
     depth of each queue it consumes."""
 
     name: str

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from exo_tasks import engine as engine_module
 from exo_tasks.commands import SubmitJob
-from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
-from exo_tasks.store import events_key, job_key, runner_key
+from exo_tasks.runner import Runner
+from exo_tasks.runner_process import RunnerProgress, RunnerSpec
+from exo_tasks.store import events_key, job_key, redis_waits, runner_key
 from exo_tasks.types import HostState, JobRecord, JobRequest, JobStatus, utcnow
 from tests.conftest import Stack, runner_state
 from tests.support.api import Api, api_settings, serving
@@ -369,7 +370,7 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
     runner._step()
     bad = admit(runner, JobRequest(prompt="x", temperature=0.7, seed=13))
     # Exactly the cap, and one token over it (one token per character for this tokenizer).
-    at_cap = admit(runner, JobRequest(prompt="c" * (40 - len(runner.engine.encode("", None)))))
+    at_cap = admit(runner, JobRequest(prompt="c" * (40 - len(runner.loaded.encode("", None)))))
     over = admit(runner, JobRequest(prompt="c" * 41, max_tokens=2))
     while runner.active:
         runner._step()
