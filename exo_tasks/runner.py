@@ -40,6 +40,7 @@ from exo_tasks.types import (
     TokenEvent,
     utcnow,
 )
+from exo_tasks.wire import TokenLogprob, ToolCall
 
 if TYPE_CHECKING:  # the engine imports MLX, which only load() needs
     from exo_tasks.engine import TokenDelta
@@ -141,6 +142,8 @@ class ActiveJob:
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     last_token_at: datetime | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def main(spec_json: str, progress_array: Any) -> None:
@@ -268,7 +271,9 @@ class Runner:
             prefill_step_size=self.spec.prefill_step_size,
             lanes=self.spec.lanes,
         )
-        self.state = self.state.model_copy(update={"lanes": self.engine.lanes})
+        self.state = self.state.model_copy(
+            update={"lanes": self.engine.lanes, "tool_calling": self.engine.tool_calling}
+        )
         self.publish(RunnerStatus.WARMING_UP)
         self.engine.warmup()
 
@@ -440,7 +445,8 @@ class Runner:
             self.store.requeue_job(job.id)
             return
         try:
-            prompt_tokens = self.engine.encode(job.request.prompt, job.request.messages)
+            request = job.request
+            prompt_tokens = self.engine.encode(request.prompt, request.messages, request.tools)
         except Exception as exc:  # noqa: BLE001 (any tokenizer or template error is the job's)
             self._refuse(job.id, f"could not encode the prompt: {exc}")
             return
@@ -511,10 +517,12 @@ class Runner:
             self._observe(metrics.INTER_TOKEN_LATENCY, (now - job.last_token_at) / new, new)
         job.last_token_at = now
         job.completion_tokens = delta.completion_tokens
-        if not delta.text:
+        job.logprobs += delta.logprobs
+        job.tool_calls += delta.tool_calls
+        if not (delta.text or delta.logprobs or delta.tool_calls):
             return None
         job.text.append(delta.text)
-        return TokenEvent(index=len(job.text) - 1, text=delta.text)
+        return delta.event(len(job.text) - 1)
 
     def _observe(self, metric: metrics.Metric, elapsed: timedelta, count: int = 1) -> None:
         self.observations.observe(metric, elapsed.total_seconds(), count, model=self.spec.model)
@@ -547,6 +555,8 @@ class Runner:
             finish_reason=reason,
             completion_tokens=job.completion_tokens,
             error=error,
+            logprobs=job.logprobs,
+            tool_calls=job.tool_calls,
         )
         self.unsent_endings.append(final)
         log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
