@@ -7,7 +7,7 @@ fields, so the OpenAI routes run through the same queue and runners as POST /v1/
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
@@ -197,7 +197,13 @@ class CompletionRequest(OpenAIRequest):
     echo: Literal[False] = False
     best_of: Literal[1] = 1
     # OpenAI's completions take the number of top tokens to return (true: just the token's).
-    logprobs: bool | Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _flag(cls, value: Any) -> Any:
+        # As mlx_lm.server takes it: true for the tokens' own, false for none.
+        return {True: 0, False: None}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("prompt")
     @classmethod
@@ -210,9 +216,8 @@ class CompletionRequest(OpenAIRequest):
         fields = super().job_fields()
         fields.setdefault("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
         fields["prompt"] = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        if self.logprobs is not None and self.logprobs is not False:
-            fields["logprobs"] = True
-            fields["top_logprobs"] = 0 if self.logprobs is True else self.logprobs
+        if self.logprobs is not None:
+            fields |= {"logprobs": True, "top_logprobs": self.logprobs}
         return fields
 
 

@@ -89,7 +89,7 @@ class RunnerStatus(enum.StrEnum):
 
 class ChatMessage(WireModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's tool calls.")
     tool_call_id: str | None = Field(None, description="The call a `tool` message answers.")
 

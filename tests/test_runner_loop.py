@@ -32,7 +32,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.jobs: list[str] = []
 
-    def encode(self, prompt: str | None, messages: Any) -> list[int]:
+    def encode(self, prompt: str | None, messages: Any, tools: Any = None) -> list[int]:
         return [1, 2, 3]
 
     def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:

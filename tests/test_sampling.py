@@ -20,7 +20,7 @@ from tests.test_engine import Run
 
 PROMPT = "The quick brown fox"
 # Settings that each change the greedy text of PROMPT (checked below), one per job.
-PROCESSED = {
+PROCESSED: dict[str, dict[str, Any]] = {
     "presence": {"presence_penalty": 1.5},
     "frequency": {"frequency_penalty": 0.8},
     "repetition": {"repetition_penalty": 1.5},

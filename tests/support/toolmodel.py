@@ -33,7 +33,7 @@ TOOL_TEMPLATE = (
     "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-LOGIT = 10.0  # the scripted token's logit is this × sqrt(hidden); the others' stay near 0
+LOGIT = 10.0  # the scripted token's logit is this times sqrt(hidden); the others' stay near 0
 
 
 def create_tool_model(directory: Path) -> Path:
