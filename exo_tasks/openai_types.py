@@ -125,13 +125,14 @@ def _text_of_parts(value: Any) -> Any:
     """Content given as a list of parts, as many clients send it: the text parts joined."""
     if not isinstance(value, list):
         return value
-    kinds = [part.get("type") if isinstance(part, dict) else None for part in value]
-    if any(kind != "text" for kind in kinds):
-        other = next(kind for kind in kinds if kind != "text")
-        raise ValueError(f"only parts of type 'text' are supported, not {other!r}")
-    texts = [part.get("text") for part in value]
-    if not all(isinstance(text, str) for text in texts):
-        raise ValueError("each text part needs a string 'text'")
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"only parts of type 'text' are supported, not {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("each text part needs a string 'text'")
+        texts.append(part["text"])
     return "".join(texts)
 
 
