@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from exo_tasks import metrics
 from exo_tasks.outbox import Outbox
 from exo_tasks.types import FinishReason, JobRecord, JobStatus, TokenEvent, utcnow
+from exo_tasks.wire import TokenLogprob, ToolCall
 
 if TYPE_CHECKING:  # the engine imports MLX
     from exo_tasks.engine import TokenDelta
@@ -29,6 +30,8 @@ class ActiveJob:
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     last_token_at: datetime | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def awaiting_first_token(self) -> bool:
@@ -52,10 +55,12 @@ class ActiveJob:
             outbox.observe(metrics.INTER_TOKEN_LATENCY, (now - self.last_token_at) / new, new)
         self.last_token_at = now
         self.completion_tokens = delta.completion_tokens
-        if not delta.text:
+        self.logprobs += delta.logprobs
+        self.tool_calls += delta.tool_calls
+        if not (delta.text or delta.logprobs or delta.tool_calls):
             return None
         self.text.append(delta.text)
-        return TokenEvent(index=len(self.text) - 1, text=delta.text)
+        return delta.event(len(self.text) - 1)
 
     def ended(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> JobRecord:
         return self.record.ended(
@@ -64,6 +69,8 @@ class ActiveJob:
             finish_reason=reason,
             completion_tokens=self.completion_tokens,
             error=error,
+            logprobs=self.logprobs,
+            tool_calls=self.tool_calls,
         )
 
 

@@ -133,7 +133,11 @@ class Runner:
     def load(self) -> None:
         engine = self.engine_factory(self.spec)
         self.engine = engine
-        self.outbox.amend(model_loads=self.outbox.state.model_loads + 1, lanes=engine.lanes)
+        self.outbox.amend(
+            model_loads=self.outbox.state.model_loads + 1,
+            lanes=engine.lanes,
+            tool_calling=engine.tool_calling,
+        )
         self.outbox.publish(RunnerStatus.LOADED)
         self.outbox.publish(RunnerStatus.WARMING_UP)
         engine.warmup()
@@ -271,7 +275,8 @@ class Runner:
             self.store.requeue_job(job.id)
             return
         try:
-            prompt_tokens = self.loaded.encode(job.request.prompt, job.request.messages)
+            request = job.request
+            prompt_tokens = self.loaded.encode(request.prompt, request.messages, request.tools)
         except Exception as exc:  # noqa: BLE001 (any tokenizer or template error is the job's)
             self._refuse(job.id, f"could not encode the prompt: {exc}")
             return

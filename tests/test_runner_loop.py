@@ -50,6 +50,7 @@ class FakeEngine:
 
     lanes = 1
     prefill_chunks = 0
+    tool_calling = False
 
     def __init__(self) -> None:
         self.jobs: dict[str, int] = {}  # job id -> its max_tokens
@@ -58,7 +59,7 @@ class FakeEngine:
         self.warm = False
         self.closed = False
 
-    def encode(self, prompt: str | None, messages: Any) -> list[int]:
+    def encode(self, prompt: str | None, messages: Any, tools: Any = None) -> list[int]:
         return [1, 2, 3]
 
     def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:

@@ -89,12 +89,13 @@ class JobOptions(SamplingParams):
     host: str | None = None
     priority: Priority = "normal"
     timeout_s: float | None = None
+    user: str | None = None
 
 
 class JobSummary(JobRecord):
-    """A job without its prompt or messages, its output text cut to SUMMARY_TEXT_CHARS: what
-    the job list and a submission answer, so neither sends megabytes back (GET /v1/jobs/<id>
-    has it all)."""
+    """A job without its prompt or messages, its output text cut to SUMMARY_TEXT_CHARS and
+    without logprobs: what the job list and a submission answer, so neither sends megabytes
+    back (GET /v1/jobs/<id> has it all)."""
 
     request: JobOptions  # type: ignore[assignment]  # a summary's request has no prompt
 
@@ -103,5 +104,7 @@ class JobSummary(JobRecord):
         options = JobOptions.model_construct(
             **job.request.model_dump(exclude={"prompt", "messages"})
         )
-        output = job.output.model_copy(update={"text": job.output.text[:SUMMARY_TEXT_CHARS]})
+        # Log probabilities, one record per token, are left to GET /v1/jobs/<id> as well.
+        cut = {"text": job.output.text[:SUMMARY_TEXT_CHARS], "logprobs": None}
+        output = job.output.model_copy(update=cut)
         return cls.model_construct(**(dict(job) | {"request": options, "output": output}))

@@ -19,7 +19,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exo_tasks import engine as engine_module
+from exo_tasks import sampling
 from exo_tasks.commands import SubmitJob
 from exo_tasks.runner import Runner
 from exo_tasks.runner_process import RunnerProgress, RunnerSpec
@@ -359,11 +359,11 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
     """seed 2^64 made mx.random.key raise TypeError in admission, which killed the batching
     loop and every job in it. Validation refuses such a seed now; here seed 13 stands for
     whatever input validation may still let through to MLX."""
-    seeded = engine_module._seeded_sampler
+    seeded = sampling._seeded_sampler
     monkeypatch.setattr(
-        engine_module,
+        sampling,
         "_seeded_sampler",
-        lambda t, p, seed: seeded(t, p, 2**64 if seed == 13 else seed),
+        lambda params, seed: seeded(params, 2**64 if seed == 13 else seed),
     )
     store = runner.store
     beside = admit(runner, JobRequest(prompt="beside", max_tokens=30, ignore_eos=True))
