@@ -15,7 +15,9 @@ from exo_tasks import limits
 from exo_tasks.naming import model_slug as model_slug
 from exo_tasks.redis_auth import redis_password
 
-TINY_MODEL_DIRNAME = "models/tiny"
+# The model a host serves when EXO_MODELS is empty, made at start: the `chat` preset.
+DEFAULT_PRESET = "chat"
+DEFAULT_MODEL_DIRNAME = f"models/{DEFAULT_PRESET}"
 
 
 class Settings(BaseSettings):
@@ -39,7 +41,7 @@ class Settings(BaseSettings):
     api_url: str | None = Field(None, description="The API the CLI talks to; unset: this host's.")
     data_dir: Path = Path("var")
     hostname: str = Field(default_factory=socket.gethostname)
-    models: str = Field("", description="Comma-separated model paths or hub ids; '' = tiny.")
+    models: str = Field("", description="Comma-separated model paths or hub ids; '' = the chat preset.")
 
     # The worker.
     worker_concurrency: int = 34  # pool children: up to a full batch of 32, plus control tasks
@@ -115,14 +117,14 @@ class Settings(BaseSettings):
         return (self.api_url or f"http://{self.api_host}:{self.api_port}").rstrip("/")
 
     @property
-    def tiny_model_dir(self) -> Path:
-        return self.data_dir / TINY_MODEL_DIRNAME
+    def default_model_dir(self) -> Path:
+        return self.data_dir / DEFAULT_MODEL_DIRNAME
 
     @cached_property
     def served_models(self) -> list[str]:
         """The models this host serves, in order; the first is the default for jobs."""
         listed = [m.strip() for m in self.models.split(",") if m.strip()]
-        return listed or [str(self.tiny_model_dir.resolve())]
+        return listed or [str(self.default_model_dir.resolve())]
 
     @model_validator(mode="after")
     def _limits_below_redelivery(self) -> Settings:

@@ -51,11 +51,12 @@ def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
+    from config.settings import DEFAULT_PRESET
     from exo_tasks.modelgen import ensure_model
     from exo_tasks.redis_server import wait_for_redis
 
     if not settings.models:
-        ensure_model("tiny", settings.tiny_model_dir)
+        ensure_model(DEFAULT_PRESET, settings.default_model_dir)
     if args.in_stack:
         # Part of a local stack, which stops as one: the drain window must end before Redis
         # stops (and before honcho's SIGKILL).
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("flower", help="run the Flower monitoring UI").set_defaults(func=cmd_flower)
     model = sub.add_parser("model", help="make models").add_subparsers(dest="action", required=True)
     create = model.add_parser("create", help="write a random-weight model from a preset")
-    create.add_argument("preset", choices=["tiny", "bench"])
+    create.add_argument("preset", choices=["tiny", "chat", "bench"])
     create.add_argument("dir")
     create.set_defaults(func=cmd_model_create)
     submit = sub.add_parser("submit", help="submit a job and stream its tokens")

@@ -1,9 +1,11 @@
-"""Deterministic random-weight Llama models with an ASCII character tokenizer.
+"""Deterministic random-weight Llama models, with an ASCII character tokenizer or a BPE one.
 
-No model can be downloaded here, so the stack and its tests make their own: a tiny
-Llama that `mlx_lm.load` reads, whose greedy output is varied printable ASCII.
-The vocabulary is ASCII characters only: with byte tokens a random model emits
-invalid UTF-8 and streamed text stalls.
+No model can be downloaded here, so the stack and its tests make their own: small Llamas that
+`mlx_lm.load` reads. `tiny` has a character tokenizer over ASCII, the smallest model there is;
+`chat` and `bench` have a byte-level BPE tokenizer with a ChatML template (exo_tasks.bpe), so
+they take the path real models take. A random model with byte tokens would emit invalid UTF-8,
+so the output head never favours a token that is not whole characters on its own (those stay in
+the vocabulary: prompts use them).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import math
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models
+
+from exo_tasks import bpe
 
 UNK = "<unk>"
 EOS = "<|endoftext|>"
@@ -41,12 +45,18 @@ class ModelPreset:
     num_attention_heads: int
     num_key_value_heads: int
     dtype: str  # "float32" or "float16"
+    tokenizer: Literal["chars", "bpe"] = "chars"
+    # How much the EOS row of the head is scaled: small, greedy text runs to max_tokens; at
+    # 2 a chat answer ends by itself after some tens of tokens.
+    eos_scale: float = 0.1
 
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(64, 2, 128, 4, 2, "float32"),
-    "bench": ModelPreset(512, 8, 1536, 8, 4, "float16"),
+    "chat": ModelPreset(64, 2, 128, 4, 2, "float32", "bpe", 2.0),
+    "bench": ModelPreset(512, 8, 1536, 8, 4, "float16", "bpe"),
 }
+MAX_LENGTH = 4096
 
 
 def _preset(name: str) -> ModelPreset:
@@ -57,28 +67,39 @@ def _preset(name: str) -> ModelPreset:
         raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}") from None
 
 
-def model_config(preset: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class VocabInfo:
+    """What the weights need to know of a tokenizer."""
+
+    size: int
+    eos_id: int
+    quiet: list[int]  # special tokens greedy text should not produce (scaled like EOS)
+    never: list[int]  # tokens that are not whole characters: their head rows are zero
+
+
+def model_config(preset: str, vocab: VocabInfo) -> dict[str, Any]:
     """The Hugging Face style `config.json` contents for `preset`."""
     p = _preset(preset)
     fields = asdict(p)
     dtype = fields.pop("dtype")
+    del fields["tokenizer"], fields["eos_scale"]
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **fields,
         "head_dim": p.hidden_size // p.num_attention_heads,
-        "vocab_size": len(VOCAB),
-        "max_position_embeddings": 4096,
+        "vocab_size": vocab.size,
+        "max_position_embeddings": MAX_LENGTH,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
         "bos_token_id": None,
-        "eos_token_id": VOCAB[EOS],
+        "eos_token_id": vocab.eos_id,
     }
 
 
-def _weights(p: ModelPreset) -> dict[str, np.ndarray]:
+def _weights(p: ModelPreset, vocab: VocabInfo) -> dict[str, np.ndarray]:
     """Seeded random weights, named as in a Hugging Face Llama checkpoint."""
     rng = np.random.default_rng(SEED)
     h, kv = p.hidden_size, p.num_key_value_heads * (p.hidden_size // p.num_attention_heads)
@@ -86,7 +107,7 @@ def _weights(p: ModelPreset) -> dict[str, np.ndarray]:
     def linear(out_dim: int, in_dim: int) -> np.ndarray:
         return rng.standard_normal((out_dim, in_dim), np.float32) / math.sqrt(in_dim)
 
-    w = {"model.embed_tokens.weight": rng.standard_normal((len(VOCAB), h), np.float32)}
+    w = {"model.embed_tokens.weight": rng.standard_normal((vocab.size, h), np.float32)}
     for i in range(p.num_hidden_layers):
         pre = f"model.layers.{i}."
         shapes = {
@@ -102,14 +123,17 @@ def _weights(p: ModelPreset) -> dict[str, np.ndarray]:
         w[f"{pre}input_layernorm.weight"] = np.ones(h, np.float32)
         w[f"{pre}post_attention_layernorm.weight"] = np.ones(h, np.float32)
     w["model.norm.weight"] = np.ones(h, np.float32)
-    # Logits are ~N(0, 1); the <unk>/EOS rows are scaled by 0.1 so greedy text runs long.
-    head = linear(len(VOCAB), h)
-    head[[VOCAB[UNK], VOCAB[EOS]]] *= 0.1
+    # Logits are ~N(0, 1): quiet rows scaled by 0.1 never win a greedy step, zero rows (logit
+    # 0, below the maximum of thousands) neither; the EOS row by the preset's scale.
+    head = linear(vocab.size, h)
+    head[vocab.quiet] *= 0.1
+    head[vocab.never] = 0.0
+    head[vocab.eos_id] *= p.eos_scale
     w["lm_head.weight"] = head
     return {k: v.astype(p.dtype) for k, v in w.items()}
 
 
-def _write_tokenizer(directory: Path) -> None:
+def _write_char_tokenizer(directory: Path) -> VocabInfo:
     """Write a character-level fast tokenizer that `AutoTokenizer` loads offline."""
     tok = Tokenizer(models.BPE(vocab=VOCAB, merges=[], unk_token=UNK))
     # mlx-lm streams with its SPM detokenizer for this decoder: exact concatenation.
@@ -123,20 +147,30 @@ def _write_tokenizer(directory: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         **specials,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
+        "model_max_length": MAX_LENGTH,
         "chat_template": CHAT_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    return VocabInfo(len(VOCAB), VOCAB[EOS], [VOCAB[UNK]], [])
+
+
+def _write_bpe_tokenizer(directory: Path) -> VocabInfo:
+    tok = bpe.write(directory, MAX_LENGTH)
+    ids = tok.get_vocab()
+    quiet = [ids[t] for t in bpe.SPECIAL_TOKENS if t != bpe.IM_END]
+    return VocabInfo(tok.get_vocab_size(), ids[bpe.IM_END], quiet, bpe.partial_tokens(tok))
 
 
 def create_model(preset: str, directory: Path) -> Path:
     """Write the `preset` model (config, weights, tokenizer) into `directory`."""
-    config = model_config(preset)
+    p = _preset(preset)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(_weights(PRESETS[preset]), str(directory / "model.safetensors"), {"format": "pt"})
-    _write_tokenizer(directory)
+    write = _write_bpe_tokenizer if p.tokenizer == "bpe" else _write_char_tokenizer
+    vocab = write(directory)
+    save_file(_weights(p, vocab), str(directory / "model.safetensors"), {"format": "pt"})
     # Written last: `ensure_model` treats a present config.json as a complete model.
+    config = model_config(preset, vocab)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 

@@ -47,6 +47,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `chat` preset: byte-level BPE, ChatML, `<|im_end|>` as EOS."""
+    from exo_tasks.modelgen import create_model
+
+    return create_model("chat", tmp_path_factory.mktemp("models") / "chat")
+
+
+@pytest.fixture(scope="session")
 def session_processes() -> Iterator[Processes]:
     processes = Processes()
     yield processes

@@ -44,7 +44,7 @@ def test_redis_url_defaults_to_the_embedded_port_with_its_password(tmp_path: Pat
 
 def test_served_models_default_to_the_tiny_model(tmp_path: Path) -> None:
     default = settings(data_dir=tmp_path)
-    assert default.served_models == [str((tmp_path / "models" / "tiny").resolve())]
+    assert default.served_models == [str((tmp_path / "models" / "chat").resolve())]
     listed = settings(models=" a/b , mlx-community/Qwen3-0.6B-4bit ")
     assert listed.served_models == ["a/b", "mlx-community/Qwen3-0.6B-4bit"]
 

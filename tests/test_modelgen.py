@@ -11,7 +11,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from exo_tasks.modelgen import EOS, UNK, create_model, ensure_model, model_config
+from exo_tasks.bpe import IM_END, VOCAB_SIZE
+from exo_tasks.modelgen import EOS, UNK, create_model, ensure_model
 
 PRINTABLE = set(string.printable)
 
@@ -93,14 +94,17 @@ def test_ensure_model_creates_when_missing(tmp_path: Path) -> None:
 
 
 def test_bench_preset_creates_and_loads(tmp_path: Path) -> None:
-    config = model_config("bench")
+    directory = create_model("bench", tmp_path / "bench")
+    config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == "llama" and config["torch_dtype"] == "float16"
     shape = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads")
     assert [config[k] for k in shape] == [512, 8, 1536, 8]
     assert config["num_key_value_heads"] == 4
-    model = mlx_lm.load(str(create_model("bench", tmp_path / "bench")))[0]
+    model, tokenizer = mlx_lm.load(str(directory))[:2]
     assert model.model.embed_tokens.weight.dtype == mx.float16
     assert len(model.layers) == 8
+    assert type(tokenizer.detokenizer).__name__ == "BPEStreamingDetokenizer"
+    assert tokenizer.eos_token == IM_END and config["vocab_size"] == VOCAB_SIZE
 
 
 def test_unknown_preset_raises(tmp_path: Path) -> None:
