@@ -13,7 +13,7 @@ from exo_tasks.types import FinishReason, JobRecord, JobStatus, TokenEvent, utcn
 from exo_tasks.wire import TokenLogprob, ToolCall
 
 if TYPE_CHECKING:  # the engine imports MLX
-    from exo_tasks.engine import TokenDelta
+    from exo_tasks.engine_lane import TokenDelta
 
 # How a job ends: (status, finish reason, error).
 Ending = tuple[JobStatus, FinishReason | None, str | None]

@@ -25,9 +25,11 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}"
 )
 SEED = 0
-_SYLLABLES = "ka ri to ne mu sa lo vi de pa zu the an ing er on st ou qu ph".split()
+_SYLLABLE_TEXT = "ka ri to ne mu sa lo vi de pa zu the an ing er on st ou qu ph"
+_SYLLABLES = _SYLLABLE_TEXT.split()
 _ACCENTED = "àáâäãåæçèéêëìíîïñòóôöõøùúûüýÿœßÀÉÎÑÖØÜ"
-_ACCENTED_WORDS = "café résumé naïve über señor façade déjà vu crème brûlée Ångström Öl".split()
+_ACCENTED_TEXT = "café résumé naïve über señor façade déjà vu crème brûlée Ångström Öl"
+_ACCENTED_WORDS = _ACCENTED_TEXT.split()
 _COMBINING = ["\u0301", "\u0300", "\u0302", "\u0308", "\u0303", "\u0327"]
 
 
@@ -49,7 +51,9 @@ def _sentence(rng: random.Random) -> str:
         elif kind < 0.78:
             parts.append(_word(rng) + "e" + rng.choice(_COMBINING))
         elif kind < 0.92:  # common CJK ideographs, a few per run
-            parts.append("".join(chr(0x4E00 + rng.randrange(600)) for _ in range(rng.randint(2, 5))))
+            parts.append(
+                "".join(chr(0x4E00 + rng.randrange(600)) for _ in range(rng.randint(2, 5)))
+            )
         else:  # emoticons and pictographs
             parts.append(chr(0x1F600 + rng.randrange(80)) + chr(0x1F300 + rng.randrange(120)))
     return " ".join(parts) + rng.choice([".", "!", "?", ",", ":"])

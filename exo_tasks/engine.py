@@ -13,30 +13,22 @@ busy.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 
 from exo_tasks import sampling
+from exo_tasks.engine_lane import EngineFinish, Lane, LaneJob, TokenDelta
 from exo_tasks.lane_threads import LaneThread, run_here
-from exo_tasks.toolcalls import ToolCallSplitter, held_back, template_message
-from exo_tasks.types import (
-    ChatMessage,
-    SamplingParams,
-    TokenEvent,
-)
+from exo_tasks.prompt_cache import PromptCache
+from exo_tasks.toolcalls import ToolCallSplitter, template_message
+from exo_tasks.types import ChatMessage, SamplingParams
 from exo_tasks.wire import TokenLogprob, Tool, ToolCall
 
-EngineFinish = Literal["stop", "length"]
-T = TypeVar("T")
 log = logging.getLogger("exo_tasks.engine")
 MAX_AUTO_LANES = 8
 # Small batches side by side are slower than one batch on the CPU (bench model, 2 cores: two
@@ -58,98 +50,6 @@ def default_lanes() -> int:
     return max(1, min(cores or 1, MAX_AUTO_LANES))
 
 
-@dataclass(frozen=True)
-class TokenDelta:
-    """What one step produced for one job."""
-
-    job_id: str
-    text: str  # new text to publish (may be "" while a possible stop string is held back)
-    completion_tokens: int  # tokens sampled so far, the EOS included (it counts to max_tokens)
-    finish_reason: EngineFinish | None  # set on the job's last delta
-    error: str | None = None  # set instead when the job failed: the engine dropped it
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # if the job asked for them
-    tool_calls: list[ToolCall] = field(default_factory=list)  # calls its text completed
-
-    def event(self, index: int) -> TokenEvent:
-        """This delta on the job's event stream."""
-        return TokenEvent(
-            index=index,
-            text=self.text,
-            logprobs=self.logprobs or None,
-            tool_calls=self.tool_calls or None,
-        )
-
-
-@dataclass
-class _Job:
-    job_id: str
-    detokenizer: Any
-    stop: list[str]
-    sampler: Any  # its own GuardedSampler, or a shared one (or None: greedy)
-    top_logprobs: int | None  # None: no logprobs asked for
-    tools: ToolCallSplitter | None
-    text: str = ""  # decoded so far, cut before a stop string once one is found
-    published: int = 0  # length of the prefix of `text` already handed out
-    tokens: int = 0
-
-    def feed(self, segment: str, final: bool) -> tuple[str, bool]:
-        """Take newly decoded text; return the text safe to publish and whether a stop hit."""
-        self.text += segment
-        # Published text never ends in the start of a stop string, so a match starts after it.
-        hits = [i for s in self.stop if (i := self.text.find(s, self.published)) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            end = len(self.text)
-        elif final:
-            end = len(self.text)
-        else:
-            # Published text never ends in what could still grow into a stop string.
-            end = len(self.text) - held_back(self.text, self.published, self.stop)
-        out, self.published = self.text[self.published : end], end
-        return out, bool(hits)
-
-
-class _Lane:
-    """A BatchGenerator and the one thread that drives it (an MLX stream belongs to its thread,
-    so every call on the generator goes through that thread)."""
-
-    def __init__(
-        self,
-        submit: Callable[..., Future[Any]],  # runs a call on the lane's thread
-        model: Any,
-        completion_batch_size: int,
-        prefill_batch_size: int,
-        prefill_step_size: int,
-    ) -> None:
-        self.submit = submit
-        self.jobs: dict[int, _Job] = {}  # by generator uid
-        self._make = functools.partial(
-            BatchGenerator,
-            model,
-            completion_batch_size=completion_batch_size,
-            prefill_batch_size=prefill_batch_size,
-            prefill_step_size=prefill_step_size,
-        )
-        # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
-        self.generator: Any = self.call(self._make)
-
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        result: T = self.submit(fn, *args, **kwargs).result()
-        return result
-
-    def reset(self) -> None:
-        """A fresh generator, empty, in place of one whose step failed (its state unknown)."""
-        self.jobs.clear()
-        with contextlib.suppress(Exception):
-            self.call(self.generator.close)
-        self.generator = self.call(self._make)
-
-    def close(self) -> None:
-        self.call(self.generator.remove, list(self.jobs))
-        self.jobs.clear()
-        self.call(self.generator.close)
-
-
 class BatchEngine:
     """Jobs in, token deltas out: a thin, job-id-keyed layer over mlx-lm's BatchGenerators."""
 
@@ -162,8 +62,10 @@ class BatchEngine:
         prefill_batch_size: int = 8,
         prefill_step_size: int = PREFILL_STEP_SIZE,
         lanes: int | None = None,
+        prompt_cache_bytes: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._eos_ids = frozenset[int](tokenizer.eos_token_ids)
         # Stop-sequence automata are immutable (each request gets its own matcher): share them.
         self._stop_on_eos = StopSequences([[eos] for eos in sorted(self._eos_ids)])
@@ -174,10 +76,10 @@ class BatchEngine:
         # Lane 0 runs on the caller's thread: one lane (a GPU) costs no thread hop at all.
         submits = [run_here] + [LaneThread.number(i).submit for i in range(count - 1)]
         self._lanes = [
-            _Lane(submit, model, per_lane, min(prefill_batch_size, per_lane), prefill_step_size)
+            Lane(submit, model, per_lane, min(prefill_batch_size, per_lane), prefill_step_size)
             for submit in submits
         ]
-        self._where: dict[str, tuple[_Lane, int]] = {}  # job id -> its lane and generator uid
+        self._where: dict[str, Lane] = {}  # job id -> its lane
         self._samplers = sampling.Samplers()
         self._vocab_size = len(tokenizer.get_vocab())
         self._largest_batch = 0
@@ -190,7 +92,12 @@ class BatchEngine:
     @property
     def lane_jobs(self) -> list[int]:
         """How many jobs each lane holds."""
-        return [len(lane.jobs) for lane in self._lanes]
+        return [len(lane) for lane in self._lanes]
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        """Bytes of KV state the prompt cache holds."""
+        return self.prompt_cache.nbytes
 
     @property
     def active_jobs(self) -> int:
@@ -241,26 +148,27 @@ class BatchEngine:
         if job_id in self._where:
             raise ValueError(f"job {job_id} is already in the engine")
         sampling.check(params, self._vocab_size)
-        lane = self._lane_for_new_job()
         sampler = self._samplers.for_job(params)
-        (uid,) = lane.call(
-            lane.generator.insert,
-            [prompt_tokens],
-            max_tokens=[params.max_tokens],
-            samplers=[sampler],
-            logits_processors=[sampling.logits_processors(params)],
-            stop_sequences=[self._never_stop if params.ignore_eos else self._stop_on_eos],
-        )
-        self._where[job_id] = (lane, uid)
+        insert: dict[str, list[Any]] = {
+            "max_tokens": [params.max_tokens],
+            "samplers": [sampler],
+            "logits_processors": [sampling.logits_processors(params)],
+            "stop_sequences": [self._never_stop if params.ignore_eos else self._stop_on_eos],
+        }
         top = params.top_logprobs if params.logprobs else None
-        lane.jobs[uid] = _Job(
+        job = LaneJob(
             job_id,
+            list(prompt_tokens),
+            insert,
             self._tokenizer.detokenizer,
             list(params.stop),
             sampler,
             top,
             self._tools(params),
         )
+        lane = self._lane_for_new_job()
+        lane.waiting.append(job)  # it joins the generator (and finds its prefix) in a step
+        self._where[job_id] = lane
 
     def _tools(self, params: SamplingParams) -> ToolCallSplitter | None:
         """What takes the job's tool calls out of its text, if it gave tools to call."""
@@ -270,45 +178,63 @@ class BatchEngine:
         specs = [tool.model_dump(exclude_none=True) for tool in params.tools or []]
         return ToolCallSplitter(t.tool_call_start, t.tool_call_end, t.tool_parser, specs)
 
-    def _lane_for_new_job(self) -> _Lane:
+    def _lane_for_new_job(self) -> Lane:
         """The lane with the fewest jobs, of the busy ones until each holds LANE_MIN_JOBS."""
-        busy = [lane for lane in self._lanes if lane.jobs]
-        if not busy or min(len(lane.jobs) for lane in busy) >= LANE_MIN_JOBS:
+        busy = [lane for lane in self._lanes if len(lane)]
+        if not busy or min(len(lane) for lane in busy) >= LANE_MIN_JOBS:
             busy = self._lanes
-        return min(busy, key=lambda lane: len(lane.jobs))
+        return min(busy, key=len)
 
     def remove(self, job_id: str) -> None:
         """Cancel a job in any phase; unknown or finished jobs are ignored (cancel races)."""
-        where = self._where.pop(job_id, None)
-        if where is not None:
-            lane, uid = where
-            del lane.jobs[uid]
-            lane.call(lane.generator.remove, [uid])
+        lane = self._where.pop(job_id, None)
+        if lane is None:
+            return
+        for job in [j for j in (*lane.waiting, *lane.jobs.values()) if j.job_id == job_id]:
+            if job.uid is None:
+                lane.waiting.remove(job)
+            else:
+                del lane.jobs[job.uid]
+                lane.take_out(job.uid, keep=False)
 
     def step(self) -> list[TokenDelta]:
         """Run one prefill/decode step of every lane at once; one delta per job that sampled a
         token."""
+        computing = [lane.jobs[uid] for lane in self._lanes for uid in lane.prefilling]
+        deltas = [d for lane in self._lanes for d in self._admit(lane, computing)]
+        keep = self.prompt_cache.enabled
         # Lane 0 runs here, when it is submitted: the others are started before it.
         busy = [lane for lane in reversed(self._lanes) if lane.jobs]
-        running = [(lane, lane.submit(lane.generator.next)) for lane in busy]
-        deltas: list[TokenDelta] = []
+        running = [(lane, lane.submit(lane.advance, keep)) for lane in busy]
         batch = 0
         self._prefill_chunks = 0
         for lane, future in running:
             try:
-                prompts, responses = future.result()
+                advance = future.result()
             except Exception as exc:  # noqa: BLE001 (one lane's failure is its jobs' alone)
                 deltas.extend(self._lane_failed(lane, exc))
                 continue
+            for cache, tokens in advance.snapshots:
+                self.prompt_cache.store(tokens, cache)
             # One prompt response per prompt in prefill; those at the end of their prompt only
             # moved to decoding.
-            self._prefill_chunks += sum(1 for p in prompts if not p.end_of_prompt)
-            batch += len(responses)
-            deltas.extend(self._lane_deltas(lane, responses))
+            self._prefill_chunks += sum(1 for p in advance.prompts if not p.end_of_prompt)
+            batch += len(advance.responses)
+            deltas.extend(self._lane_deltas(lane, advance.responses))
         self._largest_batch = max(self._largest_batch, batch)
         return deltas
 
-    def _lane_deltas(self, lane: _Lane, responses: list[Any]) -> list[TokenDelta]:
+    def _admit(self, lane: Lane, computing: list[LaneJob]) -> list[TokenDelta]:
+        """Let a lane's waiting jobs into its generator; a failure delta for any that could
+        not join (its own input, such as its cached state, made the insert raise)."""
+        failed = lane.admit(self.prompt_cache, computing)
+        for job, _ in failed:
+            self._where.pop(job.job_id, None)
+        return [
+            TokenDelta(job.job_id, "", 0, None, f"could not start: {exc!r}") for job, exc in failed
+        ]
+
+    def _lane_deltas(self, lane: Lane, responses: list[Any]) -> list[TokenDelta]:
         """One lane's step as deltas; a job whose token could not be decoded, or whose own
         sampler failed, fails alone."""
         deltas: list[TokenDelta] = []
@@ -323,7 +249,7 @@ class BatchEngine:
                 deltas.extend(self._fail(lane, [uid], job.sampler.error))
         return deltas
 
-    def _lane_failed(self, lane: _Lane, exc: Exception) -> list[TokenDelta]:
+    def _lane_failed(self, lane: Lane, exc: Exception) -> list[TokenDelta]:
         """A lane's step raised: its jobs fail and it starts over with a fresh generator; the
         other lanes are untouched. Retrying without the jobs in prefill is not safe: a
         BatchGenerator step decodes before it prefills, so a failure in prefill has already
@@ -338,7 +264,7 @@ class BatchEngine:
         lane.reset()
         return failures
 
-    def _fail(self, lane: _Lane, uids: list[int], error: str) -> list[TokenDelta]:
+    def _fail(self, lane: Lane, uids: list[int], error: str) -> list[TokenDelta]:
         """Take jobs out of a lane whose generator may be broken; a failure delta for each."""
         failures: list[TokenDelta] = []
         for uid in uids:
@@ -347,11 +273,11 @@ class BatchEngine:
                 continue
             self._where.pop(job.job_id, None)
             with contextlib.suppress(Exception):
-                lane.call(lane.generator.remove, [uid])
+                lane.take_out(uid, keep=False)
             failures.append(TokenDelta(job.job_id, "", job.tokens, None, error))
         return failures
 
-    def _delta(self, lane: _Lane, r: Any) -> TokenDelta:
+    def _delta(self, lane: Lane, r: Any) -> TokenDelta:
         """What one generation response means for its job."""
         job = lane.jobs[r.uid]
         job.tokens += 1
@@ -372,8 +298,11 @@ class BatchEngine:
         if finish is not None:
             del lane.jobs[r.uid], self._where[job.job_id]
             if r.finish_reason is None:  # a stop string is ours; the generator's own it dropped
-                lane.call(lane.generator.remove, [r.uid])
-        return TokenDelta(job.job_id, text, job.tokens, finish, None, logprobs, calls)
+                kept = lane.take_out(r.uid, keep=self.prompt_cache.enabled)
+                if kept is not None:
+                    self.prompt_cache.store(kept[1], kept[0])
+        cached = job.cached_tokens if job.tokens == 1 else None
+        return TokenDelta(job.job_id, text, job.tokens, finish, None, logprobs, calls, cached)
 
     def _decode(self, token: int) -> str:
         return str(self._tokenizer.decode([token]))
@@ -389,6 +318,7 @@ class BatchEngine:
             self.add(f"__warmup_{lane}__", self.encode("warmup", None), params)
         while self._where:
             self.step()
+        self.prompt_cache.clear()  # its prompt is nobody's
 
     def close(self) -> None:
         """Drop every job and give back what the generators hold (the wired-memory limit)."""

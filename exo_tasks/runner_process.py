@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from exo_tasks.logs import configure_logging
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
-    from exo_tasks.engine import TokenDelta
+    from exo_tasks.engine_lane import TokenDelta
     from exo_tasks.types import ChatMessage, SamplingParams
     from exo_tasks.wire import Tool
 

@@ -13,7 +13,13 @@ import pytest
 from exo_tasks import bpe
 from exo_tasks.modelgen import create_model
 
-PROMPTS = ["hello there", "世界你好，今天", "emoji 😀🎉 party", "café résumé naïve", "e\u0301a\u0300"]
+PROMPTS = [
+    "hello there",
+    "世界你好 今天",
+    "emoji 😀🎉 party",
+    "café résumé naïve",
+    "e\u0301a\u0300",
+]
 
 
 @pytest.fixture(scope="module")

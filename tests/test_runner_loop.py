@@ -11,7 +11,7 @@ import pytest
 
 from exo_tasks import runner as runner_module
 from exo_tasks.commands import StopRunner, SubmitJob
-from exo_tasks.engine import EngineFinish, TokenDelta
+from exo_tasks.engine_lane import EngineFinish, TokenDelta
 from exo_tasks.runner import Runner
 from exo_tasks.runner_process import RunnerProgress, RunnerSpec
 from exo_tasks.store import Store

@@ -1,0 +1,227 @@
+"""One lane of the batching engine: a BatchGenerator, the thread that drives it, and the jobs in
+it, from the moment they wait to join it until their last token (`exo_tasks.engine` steps the
+lanes together).
+
+A job waits in its lane until the generator has room to prefill it, and only then looks up its
+prompt's longest cached prefix. It waits longer while a job in prefill (in any lane) computes at
+least HOLD_MIN_TOKENS of its prompt that the cache does not have yet: jobs that arrive together
+with one system prompt then prefill it once, and all reuse it, instead of all prefilling it side
+by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator
+
+from exo_tasks.prompt_cache import PromptCache
+from exo_tasks.toolcalls import ToolCallSplitter, held_back
+from exo_tasks.types import TokenEvent
+from exo_tasks.wire import TokenLogprob, ToolCall
+
+EngineFinish = Literal["stop", "length"]
+HOLD_MIN_TOKENS = 32
+T = TypeVar("T")
+# A KV state worth keeping, and the tokens it holds.
+Snapshot = tuple[list[Any], list[int]]
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one step produced for one job."""
+
+    job_id: str
+    text: str  # new text to publish (may be "" while a possible stop string is held back)
+    completion_tokens: int  # tokens sampled so far, the EOS included (it counts to max_tokens)
+    finish_reason: EngineFinish | None  # set on the job's last delta
+    error: str | None = None  # set instead when the job failed: the engine dropped it
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # if the job asked for them
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls its text completed
+    cached_tokens: int | None = None  # on the job's first delta: prompt tokens from the cache
+
+    def event(self, index: int) -> TokenEvent:
+        """This delta on the job's event stream."""
+        return TokenEvent(
+            index=index,
+            text=self.text,
+            logprobs=self.logprobs or None,
+            tool_calls=self.tool_calls or None,
+        )
+
+
+@dataclass
+class LaneJob:
+    job_id: str
+    prompt: list[int]
+    insert: dict[str, list[Any]]  # BatchGenerator.insert's per-sequence options, one each
+    detokenizer: Any
+    stop: list[str]
+    sampler: Any  # its own GuardedSampler, or a shared one (or None: greedy)
+    top_logprobs: int | None  # None: no logprobs asked for
+    tools: ToolCallSplitter | None
+    key: np.ndarray = field(init=False)  # the prompt, to compare with others'
+    uid: int | None = None  # its generator's, once it has joined it
+    cached_tokens: int = 0
+    text: str = ""  # decoded so far, cut before a stop string once one is found
+    published: int = 0  # length of the prefix of `text` already handed out
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.key = np.asarray(self.prompt)
+
+    def awaits(self, computing: list[LaneJob]) -> bool:
+        """Whether a job in prefill is computing enough of this job's prompt to wait for it."""
+        for other in computing:
+            n = min(len(self.key), len(other.key))
+            differ = np.flatnonzero(self.key[:n] != other.key[:n])
+            shared = int(differ[0]) if differ.size else n
+            if shared - other.cached_tokens >= HOLD_MIN_TOKENS:
+                return True
+        return False
+
+    def feed(self, segment: str, final: bool) -> tuple[str, bool]:
+        """Take newly decoded text; return the text safe to publish and whether a stop hit."""
+        self.text += segment
+        # Published text never ends in the start of a stop string, so a match starts after it.
+        hits = [i for s in self.stop if (i := self.text.find(s, self.published)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            end = len(self.text)
+        elif final:
+            end = len(self.text)
+        else:
+            # Published text never ends in what could still grow into a stop string.
+            end = len(self.text) - held_back(self.text, self.published, self.stop)
+        out, self.published = self.text[self.published : end], end
+        return out, bool(hits)
+
+
+@dataclass
+class Advance:
+    """One step of a lane, as its thread saw it."""
+
+    prompts: list[Any]  # the generator's prompt responses
+    responses: list[Any]  # its generation responses
+    snapshots: list[Snapshot]  # KV states of prompts just prefilled and sequences just ended
+
+
+class Lane:
+    """A BatchGenerator and the one thread that drives it (an MLX stream belongs to its thread,
+    so every call on the generator goes through that thread)."""
+
+    def __init__(
+        self,
+        submit: Callable[..., Future[Any]],  # runs a call on the lane's thread
+        model: Any,
+        completion_batch_size: int,
+        prefill_batch_size: int,
+        prefill_step_size: int,
+    ) -> None:
+        self.submit = submit
+        self.prefill_batch_size = prefill_batch_size
+        self.jobs: dict[int, LaneJob] = {}  # in the generator, by uid
+        self.waiting: deque[LaneJob] = deque()  # not yet in it
+        self.prefilling: set[int] = set()  # uids still in prefill
+        self._make = functools.partial(
+            BatchGenerator,
+            model,
+            completion_batch_size=completion_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+        )
+        # Any: mlx-lm's methods are untyped, and it takes None in its samplers list (greedy).
+        self.generator: Any = self.call(self._make)
+
+    def __len__(self) -> int:
+        return len(self.jobs) + len(self.waiting)
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        result: T = self.submit(fn, *args, **kwargs).result()
+        return result
+
+    def admit(
+        self, cache: PromptCache, computing: list[LaneJob]
+    ) -> list[tuple[LaneJob, Exception]]:
+        """Move waiting jobs into the generator while it has room to prefill them, each from
+        its prompt's longest cached prefix, unless one of the jobs `computing` their prompt
+        (which the admitted join) is computing that prefix; the jobs that could not join, and
+        why."""
+        failed: list[tuple[LaneJob, Exception]] = []
+        held: list[LaneJob] = []
+        while self.waiting and len(self.prefilling) < self.prefill_batch_size:
+            job = self.waiting.popleft()
+            if cache.enabled and job.awaits(computing):
+                held.append(job)
+                continue
+            try:
+                uid = self.call(self._insert, job, cache)
+            except Exception as exc:  # noqa: BLE001 (the job's own failure)
+                failed.append((job, exc))
+                continue
+            self.jobs[uid] = job
+            self.prefilling.add(uid)
+            computing.append(job)
+        self.waiting.extendleft(reversed(held))
+        return failed
+
+    def _insert(self, job: LaneJob, cache: PromptCache) -> int:
+        lookup = cache.fetch(job.prompt)
+        (uid,) = self.generator.insert(
+            [lookup.rest],
+            caches=[lookup.cache],
+            all_tokens=[job.prompt[: lookup.cached_tokens]],
+            **job.insert,
+        )
+        job.uid, job.cached_tokens = uid, lookup.cached_tokens
+        return int(uid)
+
+    def advance(self, keep: bool) -> Advance:
+        """The generator's next step, on the lane's thread; `keep`: with the KV states of the
+        prompts it finished prefilling and the sequences it ended, evaluated here."""
+        prompts, responses = self.generator.next()
+        ended = [p.uid for p in prompts if p.end_of_prompt]
+        self.prefilling.difference_update(ended)
+        snapshots: list[Snapshot] = []
+        if keep:
+            snapshots = list(self.generator.extract_cache(ended).values())
+            snapshots += [(r.prompt_cache, r.all_tokens) for r in responses if r.finish_reason]
+            mx.eval([c.state for cache, _ in snapshots for c in cache])
+        return Advance(prompts, responses, [(c, list(t)) for c, t in snapshots])
+
+    def take_out(self, uid: int, keep: bool) -> Snapshot | None:
+        """Remove a sequence the generator has not ended; its KV state if `keep`."""
+        self.prefilling.discard(uid)
+        removed = self.call(self._remove, uid, keep)
+        return removed
+
+    def _remove(self, uid: int, keep: bool) -> Snapshot | None:
+        caches = self.generator.remove([uid], return_prompt_caches=keep)
+        if uid not in caches:
+            return None
+        cache, tokens = caches[uid]
+        mx.eval([c.state for c in cache])
+        return cache, list(tokens)
+
+    def reset(self) -> None:
+        """A fresh generator, empty, in place of one whose step failed (its state unknown)."""
+        self.jobs.clear()
+        self.prefilling.clear()
+        with contextlib.suppress(Exception):
+            self.call(self.generator.close)
+        self.generator = self.call(self._make)
+
+    def close(self) -> None:
+        self.call(self.generator.remove, list(self.jobs))
+        self.jobs.clear()
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.call(self.generator.close)
