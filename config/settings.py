@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     api_url: str | None = Field(None, description="The API the CLI talks to; unset: this host's.")
     data_dir: Path = Path("var")
     hostname: str = Field(default_factory=socket.gethostname)
-    models: str = Field("", description="Comma-separated model paths or hub ids; '' = the chat preset.")
+    models: str = Field("", description="Comma-separated model paths or hub ids; '' = chat.")
 
     # The worker.
     worker_concurrency: int = 34  # pool children: up to a full batch of 32, plus control tasks
@@ -66,6 +66,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Prompt tokens a runner prefills per step; each step is progress for the "
         "prefill stall limit, so a long prompt is work, not a hang.",
+    )
+    prompt_cache_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Bytes of KV state each runner keeps for reuse by prompts sharing a prefix "
+        "(recent prompts and conversations, least recently used dropped first); 0: off.",
     )
     runner_lanes: int | None = Field(
         None,

@@ -53,6 +53,8 @@ class ActiveJob:
         elif self.last_token_at is not None and delta.completion_tokens > self.completion_tokens:
             new = delta.completion_tokens - self.completion_tokens
             outbox.observe(metrics.INTER_TOKEN_LATENCY, (now - self.last_token_at) / new, new)
+        if delta.cached_tokens is not None:
+            self._cache_lookup(delta.cached_tokens, outbox)
         self.last_token_at = now
         self.completion_tokens = delta.completion_tokens
         self.logprobs += delta.logprobs
@@ -61,6 +63,14 @@ class ActiveJob:
             return None
         self.text.append(delta.text)
         return delta.event(len(self.text) - 1)
+
+    def _cache_lookup(self, cached_tokens: int, outbox: Outbox) -> None:
+        """The job's prompt looked up in the prompt cache: in its usage and the counters."""
+        usage = self.record.usage
+        details = usage.prompt_tokens_details.model_copy(update={"cached_tokens": cached_tokens})
+        self.record.usage = usage.model_copy(update={"prompt_tokens_details": details})
+        outbox.count(metrics.PREFIX_CACHE_QUERIES, usage.prompt_tokens)
+        outbox.count(metrics.PREFIX_CACHE_HITS, cached_tokens)
 
     def ended(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> JobRecord:
         return self.record.ended(

@@ -72,6 +72,16 @@ REQUESTS_ENDED = Metric(
     "Jobs by the status they ended in.",
     labels=("model", "status"),
 )
+PREFIX_CACHE_QUERIES = Metric(
+    "exo_prefix_cache_queries_total",
+    "counter",
+    "Prompt tokens looked up in the runners' prompt caches.",
+)
+PREFIX_CACHE_HITS = Metric(
+    "exo_prefix_cache_hits_total",
+    "counter",
+    "Prompt tokens whose KV state a runner's prompt cache held.",
+)
 RUNNER_RESTARTS = Metric(
     "exo_runner_restarts_total",
     "counter",
@@ -86,6 +96,8 @@ STORED: tuple[Metric, ...] = (
     PROMPT_TOKENS,
     GENERATION_TOKENS,
     REQUESTS_ENDED,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
     RUNNER_RESTARTS,
 )
 

@@ -36,10 +36,12 @@ class OutboxStore(Protocol):
 
 
 class Occupancy(NamedTuple):
-    """The runner's jobs as its published state shows them."""
+    """The runner's jobs (and what they left in its prompt cache) as its published state
+    shows them."""
 
     active_jobs: int
     largest_batch: int
+    prompt_cache_bytes: int = 0
 
 
 class Outbox:
@@ -58,6 +60,9 @@ class Outbox:
     def amend(self, **changes: Any) -> None:
         """Change the runner's state without publishing it (the next publish carries it)."""
         self.state = self.state.model_copy(update=changes)
+
+    def count(self, metric: metrics.Metric, amount: float) -> None:
+        self.observations.inc(metric, amount, model=self.state.model)
 
     def observe(self, metric: metrics.Metric, elapsed: timedelta, count: int = 1) -> None:
         self.observations.observe(metric, elapsed.total_seconds(), count, model=self.state.model)
@@ -104,6 +109,7 @@ class Outbox:
         unchanged = status == self.state.status and occupancy == (
             self.state.active_jobs,
             self.state.largest_batch,
+            self.state.prompt_cache_bytes,
         )
         if not unchanged or self.state_unpublished:
             self.publish(status)

@@ -89,10 +89,10 @@ class Runner:
         return self.engine
 
     def _occupancy(self) -> Occupancy:
-        # Unloaded, the state keeps showing the largest batch it had.
         engine, state = self.engine, self.outbox.state
-        largest = engine.largest_batch if engine is not None else state.largest_batch
-        return Occupancy(active_jobs=len(self.active), largest_batch=largest)
+        if engine is None:  # unloaded: the largest batch it had stays, its cache went with it
+            return Occupancy(len(self.active), state.largest_batch)
+        return Occupancy(len(self.active), engine.largest_batch, engine.prompt_cache_bytes)
 
     @property
     def stopping(self) -> bool:

@@ -48,6 +48,7 @@ class RunnerSpec(BaseModel):
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 256
+    prompt_cache_bytes: int = 1 << 30  # EXO_PROMPT_CACHE_BYTES
     lanes: int | None = None  # None: the engine's default for the device
     log_level: str = "INFO"
 
@@ -93,6 +94,8 @@ class Engine(Protocol):
     def prefill_chunks(self) -> int: ...
     @property
     def tool_calling(self) -> bool: ...
+    @property
+    def prompt_cache_bytes(self) -> int: ...
     def encode(
         self,
         prompt: str | None,
@@ -133,6 +136,7 @@ def load_engine(spec: RunnerSpec) -> Engine:
         prefill_batch_size=spec.prefill_batch_size,
         prefill_step_size=spec.prefill_step_size,
         lanes=spec.lanes,
+        prompt_cache_bytes=spec.prompt_cache_bytes,
     )
 
 

@@ -76,6 +76,7 @@ class RunnerSupervisor:
                 completion_batch_size=settings.completion_batch_size,
                 prefill_batch_size=settings.prefill_batch_size,
                 prefill_step_size=settings.prefill_step_size,
+                prompt_cache_bytes=settings.prompt_cache_bytes,
                 lanes=settings.runner_lanes,
                 log_level=settings.log_level,
             )

@@ -228,10 +228,17 @@ class JobOutput(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        0, description="Prompt tokens whose KV state came from the runner's prompt cache."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class Timings(BaseModel):
@@ -298,10 +305,11 @@ class JobRecord(BaseModel):
                     logprobs=logprobs if self.request.logprobs else None,
                     tool_calls=tool_calls or None,
                 ),
-                "usage": Usage(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
+                "usage": self.usage.model_copy(
+                    update={
+                        "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens,
+                    }
                 ),
                 "timings": timings,
                 "error": error,
@@ -359,6 +367,9 @@ class RunnerState(BaseModel):
     pid: int | None = None
     active_jobs: int = 0
     largest_batch: int = 0
+    prompt_cache_bytes: int = Field(
+        0, description="Bytes of KV state in the runner's prompt cache (EXO_PROMPT_CACHE_BYTES)."
+    )
     lanes: int = Field(1, description="Batches run side by side (one per CPU core on the CPU).")
     tool_calling: bool | None = Field(
         None, description="Whether the model's chat template takes tools (known once loaded)."

@@ -51,6 +51,7 @@ class FakeEngine:
     lanes = 1
     prefill_chunks = 0
     tool_calling = False
+    prompt_cache_bytes = 0
 
     def __init__(self) -> None:
         self.jobs: dict[str, int] = {}  # job id -> its max_tokens
