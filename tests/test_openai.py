@@ -44,6 +44,7 @@ def test_chat_completion_is_a_job_through_the_queue(stack: Stack, client: openai
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
     }
     native = stack.api.wait_job(stack.api.submit(messages=CHAT, max_tokens=24, **HOST_A))
     assert native["output"]["text"] == choice.message.content
