@@ -27,7 +27,7 @@ BASE = [
     "hello there",
     "The quick brown fox jumps over the lazy dog",
     "世界你好",
-    "今天天气很好，我们去公园吧",
+    "今天天气很好\uff0c我们去公园吧",
     "日本語のテキスト",
     "emoji 😀🎉🚀 party",
     "👩‍👩‍👧 family 🏳️‍🌈",
@@ -95,9 +95,9 @@ def host(
         data_dir = tmp_path_factory.mktemp("chat-host")
         new_worker(processes, redis_server.url, store, "chat-host", [chat_model], data_dir)
         model, tokenizer = mlx_lm.load(str(chat_model))[:2]
-        with serving(api_settings(redis_server.url, [chat_model])) as api:
-            with client_for(api) as client:
-                yield ChatHost(api, client, model, tokenizer)
+        settings = api_settings(redis_server.url, [chat_model])
+        with serving(settings) as api, client_for(api) as client:
+            yield ChatHost(api, client, model, tokenizer)
     finally:
         processes.stop_all()
 
@@ -129,7 +129,12 @@ def completions_match(host: ChatHost, prompt: str) -> None:
     assert job["usage"]["prompt_tokens"] == ref.prompt_tokens
     assert job["usage"]["completion_tokens"] == ref.completion_tokens
     check_events(events, ref.text)
-    request = {"model": "chat", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    request: dict[str, Any] = {
+        "model": "chat",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     whole = host.client.completions.create(**request)
     assert whole.choices[0].text == ref.text and whole.choices[0].finish_reason == ref.finish_reason
     check_usage(whole.usage, ref)
