@@ -171,7 +171,7 @@ def test_a_job_waits_only_for_a_prefix_worth_waiting_for() -> None:
         return made
 
     base = list(range(100))
-    assert job(base + [1]).awaits([job(base + [2])])
-    assert not job(base + [1]).awaits([job(base + [2], cached=100 - HOLD_MIN_TOKENS + 1)])
-    assert not job([7] + base).awaits([job(base)])
+    assert job([*base, 1]).awaits([job([*base, 2])])
+    assert not job([*base, 1]).awaits([job([*base, 2], cached=100 - HOLD_MIN_TOKENS + 1)])
+    assert not job([7, *base]).awaits([job(base)])
     assert not job(base[:10]).awaits([job(base)])
