@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from bench import overhead, report, scale, stopping, throughput
+from bench import overhead, prefix, report, scale, stopping, throughput
 from bench.config import Config
 from bench.contenders import Lab
 from bench.results import Results
@@ -33,6 +33,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "overhead": overhead.run,
     "stopping": stopping.run,
     "scale": scale.run,
+    "prefix": prefix.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     run["duration_s"] = round(time.monotonic() - started)
     run["other_pytest_processes_at_end"] = other_pytests()
     report.set_targets(results)
+    prefix.set_targets(results)
     report.write_json(results, args.out / "latest.json", run)
     report.chart(results, args.out / "latest.png")
     print(report.table(results))

@@ -15,6 +15,7 @@ SECTION_TITLES = {
     "warm_cold": "4. Warm vs cold (bench model, 16-token job)",
     "stopping": "5. Stopping: request to process gone (tiny model)",
     "queue_scale": "6. Queue scale (tiny model, 1-token jobs, 2 workers)",
+    "prefix_cache": "7. Prompt reuse (bench model, chat, 64 tokens out)",
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 EXO = "exo_tasks"
 MLX_SERVER = "mlx_lm.server"
 UNBATCHED = "exo_tasks, one job at a time"
+EXO_NO_CACHE = "exo_tasks, prompt cache off"
 IN_PROCESS = "stream_generate in process"
 Op = Literal[">=", "<="]
 
