@@ -137,21 +137,27 @@ def _record(
     if not done:
         log.error("prefix cache %s %s: every request failed: %s", contender, level, traces[0].error)
         return
-    ttfts = [t.ttft_s * 1000 for t in done if t.ttft_s is not None]
+    ttfts = [(t.ttft_s or 0.0) * 1000 for t in done]
     tokens = sum(t.completion_tokens or 0 for t in done)
-    prompt = sum(t.prompt_tokens for t in done)
     sample = results.sample
     sample(SECTION, f"TTFT p50, {level}", contender, "ms", percentile(ttfts, 50))
     sample(SECTION, f"tokens/s, {level}", contender, "tokens/s", tokens / elapsed)
-    hits = sum(t.cached_tokens for t in done)
-    sample(SECTION, f"cache hit rate, {level}", contender, "%", 100 * hits / max(prompt, 1))
+    sample(SECTION, f"cache hit rate, {level}", contender, "%", _hit_rate(done))
     rss = psutil.Process(pid).memory_info().rss / 2**20
     sample(SECTION, f"runner memory, {level}", contender, "MiB", rss)
-    failed = len(traces) - len(done)
-    if failed:
-        row = results.find(SECTION, f"tokens/s, {level}", contender)
-        if row is not None:
-            row.note = f"{failed} failed requests"
+    _note_failures(results, contender, level, len(traces) - len(done))
+
+
+def _note_failures(results: Results, contender: str, level: str, failed: int) -> None:
+    row = results.find(SECTION, f"tokens/s, {level}", contender)
+    if row is not None and failed:
+        row.note = f"{failed} failed requests"
+
+
+def _hit_rate(traces: list[ChatTrace]) -> float:
+    """Prompt tokens served from a cache, in percent of all prompt tokens."""
+    prompt = sum(t.prompt_tokens for t in traces)
+    return 100 * sum(t.cached_tokens for t in traces) / max(prompt, 1)
 
 
 def set_targets(results: Results) -> None:

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
 from exo_tasks import sampling
-from exo_tasks.engine_lane import EngineFinish, Lane, LaneJob, TokenDelta
+from exo_tasks.engine_lane import Advance, EngineFinish, Lane, LaneJob, TokenDelta
 from exo_tasks.lane_threads import LaneThread, run_here
 from exo_tasks.prompt_cache import PromptCache
 from exo_tasks.toolcalls import ToolCallSplitter, template_message
@@ -214,15 +214,19 @@ class BatchEngine:
             except Exception as exc:  # noqa: BLE001 (one lane's failure is its jobs' alone)
                 deltas.extend(self._lane_failed(lane, exc))
                 continue
-            for cache, tokens in advance.snapshots:
-                self.prompt_cache.store(tokens, cache)
-            # One prompt response per prompt in prefill; those at the end of their prompt only
-            # moved to decoding.
-            self._prefill_chunks += sum(1 for p in advance.prompts if not p.end_of_prompt)
             batch += len(advance.responses)
-            deltas.extend(self._lane_deltas(lane, advance.responses))
+            deltas.extend(self._advanced(lane, advance))
         self._largest_batch = max(self._largest_batch, batch)
         return deltas
+
+    def _advanced(self, lane: Lane, advance: Advance) -> list[TokenDelta]:
+        """A lane's step done: keep the KV states it gave, count its prefill, decode its tokens."""
+        for cache, tokens in advance.snapshots:
+            self.prompt_cache.store(tokens, cache)
+        # One prompt response per prompt in prefill; those at the end of their prompt only
+        # moved to decoding.
+        self._prefill_chunks += sum(1 for p in advance.prompts if not p.end_of_prompt)
+        return self._lane_deltas(lane, advance.responses)
 
     def _admit(self, lane: Lane, computing: list[LaneJob]) -> list[TokenDelta]:
         """Let a lane's waiting jobs into its generator; a failure delta for any that could
