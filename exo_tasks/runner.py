@@ -22,6 +22,7 @@ import redis
 from exo_tasks import lifecycle, metrics
 from exo_tasks.active_job import ActiveJob, take_step
 from exo_tasks.commands import CancelJob, RunnerCommand, StopRunner, SubmitJob
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.outbox import Occupancy, Outbox
 from exo_tasks.runner_process import (
     EXIT_CONFIG,
@@ -32,7 +33,7 @@ from exo_tasks.runner_process import (
     load_engine,
 )
 from exo_tasks.store import Store, UnreadableCommand, redis_waits
-from exo_tasks.types import FinishReason, JobStatus, RunnerState, RunnerStatus, utcnow
+from exo_tasks.types import FinishReason, JobStatus, utcnow
 
 log = logging.getLogger("exo_tasks.runner")
 INBOX_POLL_S = 1.0

@@ -23,6 +23,7 @@ from multiprocessing.process import BaseProcess
 from config.settings import Settings
 from exo_tasks import metrics, runner_process
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.supervision import (
@@ -35,7 +36,7 @@ from exo_tasks.supervision import (
     exit_cause,
     restart_backoff_s,
 )
-from exo_tasks.types import RunnerState, RunnerStatus, utcnow
+from exo_tasks.types import utcnow
 
 log = logging.getLogger("exo_tasks.supervisor")
 WATCH_INTERVAL_S = 0.1

@@ -31,10 +31,11 @@ from exo_tasks.commands import (
     SubmitJob,
 )
 from exo_tasks.errors import ExoError, RunnerGone
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.naming import runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.supervision import KILL_WAIT_S, TERM_WAIT_S
-from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent, RunnerState, RunnerStatus
+from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent
 
 log = logging.getLogger("exo_tasks.tasks")
 # The wait for a job's ending is cut into slices, to check on its runner and report progress.

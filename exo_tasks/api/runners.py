@@ -16,8 +16,8 @@ from exo_tasks.api.models import (
 )
 from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK
 from exo_tasks.errors import Conflict, NotFound
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.naming import find_model, host_queue, runner_id_for
-from exo_tasks.types import RunnerState
 
 bp = Blueprint("runners", __name__, url_prefix="/v1/runners")
 
