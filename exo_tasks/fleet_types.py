@@ -23,10 +23,16 @@ class RunnerStatus(enum.StrEnum):
     SHUTTING_DOWN = "ShuttingDown"
     SHUTDOWN = "Shutdown"
     FAILED = "Failed"
+    UNLOADED = "Unloaded"  # idle, its process gone: the next job for the model loads it again
 
     @property
     def accepts_jobs(self) -> bool:
         return self in (RunnerStatus.READY, RunnerStatus.RUNNING)
+
+    @property
+    def serves(self) -> bool:
+        """Takes jobs now, or loads its model again for the next one."""
+        return self.accepts_jobs or self is RunnerStatus.UNLOADED
 
     @property
     def is_final(self) -> bool:

@@ -78,6 +78,7 @@ class RunnerSupervisor:
                 prefill_batch_size=settings.prefill_batch_size,
                 prefill_step_size=settings.prefill_step_size,
                 lanes=settings.runner_lanes,
+                idle_unload_s=settings.runner_idle_unload_s,
                 log_level=settings.log_level,
             )
             self.handles[spec.runner_id] = RunnerHandle(spec)
@@ -166,6 +167,13 @@ class RunnerSupervisor:
             cause = exit_cause(process.exitcode)
             if handle.stop is not None and handle.stall is None:
                 self._record_stop(handle, handle.stop, cause)
+            elif process.exitcode == runner_process.EXIT_UNLOADED:
+                # Idle, it unloaded its model: no restart; the next job asks for a start. A job
+                # handed over as it exited was never started: back to the queue.
+                requeued = self.store.requeue_runner_jobs(handle.spec.runner_id)
+                log.info("runner unloaded (idle)", extra={"runner": handle.spec.runner_id})
+                if requeued:
+                    log.info("jobs requeued", extra={"jobs": ",".join(requeued)})
             else:
                 self._record_failure(
                     handle,

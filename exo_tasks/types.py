@@ -158,6 +158,12 @@ class JobRequest(SamplingParams):
     user: str | None = Field(
         None, max_length=256, description="Who the job is for, as the client names them; kept."
     )
+    keep_alive: float | None = Field(
+        None,
+        description="Seconds the model stays loaded once the runner is idle after this job "
+        "(Ollama's keep_alive): 0 unloads at once, negative never; unset: "
+        "EXO_RUNNER_IDLE_UNLOAD_S.",
+    )
 
     @field_validator("timeout_s")
     @classmethod

@@ -84,6 +84,7 @@ class JobOptions(SamplingParams):
     priority: Priority = "normal"
     timeout_s: float | None = None
     user: str | None = None
+    keep_alive: float | None = None
 
 
 class JobSummary(JobRecord):
