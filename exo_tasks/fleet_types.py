@@ -73,6 +73,11 @@ class RunnerState(BaseModel):
         """Stopped or failed for good: no restart is coming (only a load brings it back)."""
         return self.status.is_final and self.next_restart_at is None
 
+    @property
+    def loadable(self) -> bool:
+        """A load (POST /v1/runners) starts it: down for good, or its idle model unloaded."""
+        return self.is_down or self.status is RunnerStatus.UNLOADED
+
 
 class HostState(BaseModel):
     """A worker host as it announces itself in Redis while it runs (an expiring heartbeat)."""

@@ -296,8 +296,14 @@ class RunnerSupervisor:
             self.start_runner(request.runner_id)
 
     def start_runner(self, runner_id: str) -> None:
+        handle = self.handles[runner_id]
+        process = handle.process
+        state = self.store.get_runner(runner_id)
+        unloaded = state is not None and state.status == RunnerStatus.UNLOADED
+        # Unloaded, its process is on its way out: let it go, then start a new one.
+        if process is not None and unloaded and self._wait_exit(process, TERM_WAIT_S):
+            self._on_exit(handle)
         with self._lock:
-            handle = self.handles[runner_id]
             if handle.process is not None and handle.stop is None:
                 log.info("runner already running", extra={"runner": runner_id})
                 return

@@ -5,7 +5,6 @@ soft time limit (a signal) is delivered promptly."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, cast
@@ -45,7 +44,6 @@ WAIT_SLICE_MS = 1000
 CANCEL_ACK_S = 3.0
 REDIS_RETRY_S = 0.5
 PINNED_REQUEUE_PAUSE_S = 1.0
-START_ASK_EVERY_S = 2.0
 PROGRESS = "PROGRESS"
 # A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
 # CPU (a pool child per job); Flower needs no more than this.
@@ -216,11 +214,14 @@ def _await_runner(
     or a later load, will run it); one `pinned` to this host stays queued until the runner is
     loaded again or the job is cancelled."""
     deadline = time.monotonic() + timeout_s
-    start_asked = -math.inf
+    start_asked = False
     while state is None or not state.status.accepts_jobs:
         if state is not None:
             _refuse_if_stopped(runner_id, state, pinned)
-            start_asked = _load_if_unloaded(store, state, start_asked)
+            if state.status == RunnerStatus.UNLOADED and not start_asked:
+                # Its idle model was unloaded: load it again.
+                store.send_to_supervisor(state.host, StartRunnerRequest(runner_id=runner_id))
+                start_asked = True
         if time.monotonic() > deadline:
             raise RunnerGone(f"runner {runner_id} not ready after {timeout_s:.0f}s")
         time.sleep(0.1)
@@ -229,17 +230,6 @@ def _await_runner(
         except (redis.ConnectionError, redis.TimeoutError):
             state = None  # Redis is restarting: keep waiting, within the same bound
     return state
-
-
-def _load_if_unloaded(store: Store, state: RunnerState, asked_at: float) -> float:
-    """Ask for a runner that unloaded its idle model to be started again, anew every
-    START_ASK_EVERY_S while it stays unloaded (a request that arrives as the old process exits
-    finds it still running). Returns when it was last asked."""
-    now = time.monotonic()
-    if state.status != RunnerStatus.UNLOADED or now - asked_at < START_ASK_EVERY_S:
-        return asked_at
-    store.send_to_supervisor(state.host, StartRunnerRequest(runner_id=state.id))
-    return now
 
 
 def _refuse_if_stopped(runner_id: str, state: RunnerState, pinned: str | None) -> None:
