@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
 
+from config.settings import Settings
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.logs import configure_logging
+from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 
@@ -58,6 +60,26 @@ class RunnerSpec(BaseModel):
     lanes: int | None = None  # None: the engine's default for the device
     idle_unload_s: float | None = None  # None: stay loaded while idle
     log_level: str = "INFO"
+
+    @classmethod
+    def for_model(cls, model_path: str, settings: Settings) -> RunnerSpec:
+        """The spec of this host's runner for the model at `model_path`."""
+        slug = model_slug(model_path)
+        return cls(
+            runner_id=runner_id_for(slug, settings.hostname),
+            host=settings.hostname,
+            model=slug,
+            model_path=model_path,
+            redis_url=settings.effective_redis_url,
+            job_ttl_s=settings.job_ttl_s,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            completion_batch_size=settings.completion_batch_size,
+            prefill_batch_size=settings.prefill_batch_size,
+            prefill_step_size=settings.prefill_step_size,
+            lanes=settings.runner_lanes,
+            idle_unload_s=settings.runner_idle_unload_s,
+            log_level=settings.log_level,
+        )
 
     def first_state(self) -> RunnerState:
         """The state a runner process starts with, in this process."""

@@ -24,7 +24,6 @@ from config.settings import Settings
 from exo_tasks import metrics, runner_process
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
-from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.supervision import (
     HEALTHY_UPTIME_S,
@@ -65,22 +64,7 @@ class RunnerSupervisor:
         self._closing = threading.Event()
         self._drain_deadline: float | None = None
         for model_path in settings.served_models:
-            slug = model_slug(model_path)
-            spec = runner_process.RunnerSpec(
-                runner_id=runner_id_for(slug, self.host),
-                host=self.host,
-                model=slug,
-                model_path=model_path,
-                redis_url=settings.effective_redis_url,
-                job_ttl_s=settings.job_ttl_s,
-                max_prompt_tokens=settings.max_prompt_tokens,
-                completion_batch_size=settings.completion_batch_size,
-                prefill_batch_size=settings.prefill_batch_size,
-                prefill_step_size=settings.prefill_step_size,
-                lanes=settings.runner_lanes,
-                idle_unload_s=settings.runner_idle_unload_s,
-                log_level=settings.log_level,
-            )
+            spec = runner_process.RunnerSpec.for_model(model_path, settings)
             self.handles[spec.runner_id] = RunnerHandle(spec)
 
     # --- starting and watching ---
