@@ -73,6 +73,13 @@ class Settings(BaseSettings):
         description="Bytes of KV state each runner keeps for reuse by prompts sharing a prefix "
         "(recent prompts and conversations, least recently used dropped first); 0: off.",
     )
+    runner_idle_unload_s: float | None = Field(
+        None,
+        ge=0,
+        description="A runner idle this long unloads its model (its process exits, freeing the "
+        "memory); the next job for the model loads it again. Unset: never. A job's keep_alive "
+        "overrides it for the idle time after that job.",
+    )
     runner_lanes: int | None = Field(
         None,
         ge=1,
