@@ -57,6 +57,9 @@ PRESETS: dict[str, ModelPreset] = {
     "bench": ModelPreset(512, 8, 1536, 8, 4, "float16", "bpe"),
 }
 MAX_LENGTH = 4096
+# Names the preset in config.json (mlx-lm ignores it), so a model of an older preset of the same
+# name (the `bench` made before it had a BPE tokenizer) is made again.
+PRESET_KEY = "exo_preset"
 
 
 def _preset(name: str) -> ModelPreset:
@@ -96,6 +99,7 @@ def model_config(preset: str, vocab: VocabInfo) -> dict[str, Any]:
         "torch_dtype": dtype,
         "bos_token_id": None,
         "eos_token_id": vocab.eos_id,
+        PRESET_KEY: preset,
     }
 
 
@@ -176,7 +180,8 @@ def create_model(preset: str, directory: Path) -> Path:
 
 
 def ensure_model(preset: str, directory: Path) -> Path:
-    """Create the `preset` model in `directory` unless a `config.json` is already there."""
-    if not (directory / "config.json").exists():
+    """Create the `preset` model in `directory` unless that preset is already there."""
+    config = directory / "config.json"
+    if not config.exists() or json.loads(config.read_text()).get(PRESET_KEY) != preset:
         create_model(preset, directory)
     return directory

@@ -88,6 +88,14 @@ def test_ensure_model_does_not_rewrite(tiny_model: Path) -> None:
     assert weights.stat().st_mtime_ns == before
 
 
+def test_ensure_model_makes_again_a_model_of_another_preset(tmp_path: Path) -> None:
+    # A `bench` made before bench had a BPE tokenizer: ensure_model writes the preset again.
+    directory = create_model("tiny", tmp_path / "bench")
+    assert ensure_model("bench", directory) == directory
+    config = json.loads((directory / "config.json").read_text())
+    assert config["exo_preset"] == "bench" and config["vocab_size"] == VOCAB_SIZE
+
+
 def test_ensure_model_creates_when_missing(tmp_path: Path) -> None:
     directory = ensure_model("tiny", tmp_path / "new" / "tiny")
     assert (directory / "config.json").exists() and (directory / "model.safetensors").exists()
