@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -97,7 +98,7 @@ def _start(lab: Lab, model: Path, contender: str) -> tuple[str, Callable[[], int
     # Without the cache, 8 prompts of 420 tokens prefill side by side: on a loaded 2-core
     # machine one step of them took over the 60 s prefill stall limit, and the runner was
     # stopped as hung. The limit guards against hangs, not slow steps: raised for this section.
-    settings: dict[str, float] = {"prefill_timeout_s": 600.0}
+    settings: dict[str, Any] = {"prefill_timeout_s": 600.0}
     if contender == EXO_NO_CACHE:
         settings["prompt_cache_bytes"] = 0
     stack = start_exo(lab, "exo-prefix", model, **settings)
