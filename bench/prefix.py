@@ -10,6 +10,7 @@ Both servers are greedy on the same model, so both generate the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -149,8 +150,9 @@ def _record(
     sample(SECTION, f"TTFT p50, {level}", contender, "ms", percentile(ttfts, 50))
     sample(SECTION, f"tokens/s, {level}", contender, "tokens/s", tokens / elapsed)
     sample(SECTION, f"cache hit rate, {level}", contender, "%", _hit_rate(done))
-    rss = psutil.Process(pid).memory_info().rss / 2**20
-    sample(SECTION, f"runner memory, {level}", contender, "MiB", rss)
+    with contextlib.suppress(psutil.NoSuchProcess):  # a runner restarted: no reading
+        rss = psutil.Process(pid).memory_info().rss / 2**20
+        sample(SECTION, f"runner memory, {level}", contender, "MiB", rss)
     _note_failures(results, contender, level, len(traces) - len(done))
 
 
