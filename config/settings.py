@@ -100,6 +100,24 @@ class Settings(BaseSettings):
         description="How long a shutdown_runner or load_runner task stays valid in its queue; "
         "a worker drops (and logs) one that waited longer.",
     )
+    batch_max_file_bytes: int = Field(
+        100 << 20, ge=1, description="The largest file POST /v1/files takes (then 413)."
+    )
+    batch_max_lines: int = Field(
+        50_000, ge=1, description="The most requests one batch's input file may hold."
+    )
+    batch_inflight_per_host: int = Field(
+        24,
+        ge=1,
+        description="A batch's requests that are jobs at once, per live host, all batches "
+        "together: below a runner's batch and the pool, so interactive jobs find room.",
+    )
+    batch_max_queued: int = Field(
+        8,
+        ge=1,
+        description="Batch jobs waiting in a queue at once: the feeder sends more as the fleet "
+        "takes them, never a backlog ahead of interactive jobs (nor near EXO_MAX_QUEUED_JOBS).",
+    )
     log_level: str = "INFO"
 
     @property

@@ -53,17 +53,24 @@ def resolve_model(fleet: Fleet, settings: Settings, requested: str | None) -> st
     return model
 
 
-def submit(store: Store, celery: Celery, settings: Settings, request: JobRequest) -> JobRecord:
+def submit(
+    store: Store,
+    celery: Celery,
+    settings: Settings,
+    request: JobRequest,
+    *,
+    job_id: str | None = None,
+) -> JobRecord:
     """Record the job, then send its task: a job the API accepted is never unknown. A pinned
     job goes to its host's own queue, which only that host's worker consumes. Once
     EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
-    fill up."""
+    fill up. `job_id`: the id a batch's line always gets (a new one otherwise)."""
     fleet = Fleet.load(store)
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
-    job = JobRecord(id=uuid.uuid4().hex, model=model, request=request)
+    job = JobRecord(id=job_id or uuid.uuid4().hex, model=model, request=request)
     depth = store.create_job(job, queue, settings.max_queued_jobs)
     if depth >= settings.max_queued_jobs:
         raise QueueFull(

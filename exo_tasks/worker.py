@@ -20,6 +20,7 @@ from celery.worker.control import control_command
 
 from config.settings import Settings
 from exo_tasks import jobs, recovery
+from exo_tasks.batch_feeder import BatchFeeder
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.logs import configure_logging
@@ -73,7 +74,11 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             stuck_after_s=settings.runner_start_timeout_s + recovery.STUCK_MARGIN_S,
         )
 
+        # Drives OpenAI batches, in one worker at a time (its own lease).
+        self.feeder = BatchFeeder(app, app.incarnation)
+
         def on_stopped() -> None:
+            self.feeder.stop()
             self.recovery.stop()
             self.presence.stop()
 
@@ -91,6 +96,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         previous = self.presence.start()
         self.recovery.start(previous)
+        self.feeder.start()
         super().start(worker)
 
 
