@@ -11,7 +11,6 @@ jobs never wait behind a batch. A line's result is written once (exo_tasks.store
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -20,7 +19,8 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from exo_tasks import batch_input, jobs, metrics
-from exo_tasks.batch_results import ENDPOINTS, LineResults, line_job_id, succeeded
+from exo_tasks.batch_jobs import cancel_inflight, line_job_id
+from exo_tasks.batch_results import ENDPOINTS, LineResults, succeeded
 from exo_tasks.batch_types import (
     Batch,
     BatchErrors,
@@ -214,7 +214,7 @@ class BatchFeeder:
         now = time.monotonic()
         if now - self._cancelled_at.get(batch.id, 0.0) >= CANCEL_EVERY_S:
             self._cancelled_at[batch.id] = now
-            cancel_inflight(self.app, batch)
+            cancel_inflight(self.store, batch)
 
     def _end(self, batch: Batch, status: BatchStatus) -> None:
         now = int(time.time())
@@ -263,10 +263,3 @@ class BatchFeeder:
         )
         self.store.put_file(meta, content)
         return meta.id
-
-
-def cancel_inflight(app: ExoCelery, batch: Batch) -> None:
-    """Cancel every job of the batch still running or queued (their runners keep the model)."""
-    for line in app.store.inflight(batch.id):
-        with contextlib.suppress(ExoError):
-            jobs.cancel(app.store, line_job_id(batch.id, line))

@@ -10,6 +10,7 @@ from flask import Flask
 
 from exo_tasks.api import errors
 from exo_tasks.api.openai import ChatRenderer, Renderer, TextRenderer, _failure
+from exo_tasks.batch_jobs import line_job_id
 from exo_tasks.batch_types import Batch, LineError, LineResponse, ResultLine
 from exo_tasks.openai_types import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from exo_tasks.types import JobRecord, JobStatus
@@ -27,12 +28,6 @@ CUT_SHORT = {
         "this request could not be executed before the completion window expired",
     ),
 }
-
-
-def line_job_id(batch_id: str, line: int) -> str:
-    """The job a batch's line runs as: always the same, so a feeder that starts over on a line
-    finds the job it sent before instead of sending another."""
-    return f"{batch_id}-{line}"
 
 
 class LineResults:

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, jsonify
 from exo_tasks.api.context import ctx
 from exo_tasks.api.files import page_args
 from exo_tasks.api.http import json_body
-from exo_tasks.batch_feeder import cancel_inflight
+from exo_tasks.batch_jobs import cancel_inflight
 from exo_tasks.batch_types import Batch, BatchCreate, BatchList, window_seconds
 from exo_tasks.errors import Conflict, InvalidRequest, NotFound
 
@@ -75,7 +75,7 @@ def cancel_batch(batch_id: str) -> Response:
             batch = _batch_or_404(batch_id)
             if batch.status != "cancelling":
                 raise Conflict(f"batch '{batch_id}' is {batch.status}", {"status": batch.status})
-        cancel_inflight(context.celery, batch)
+        cancel_inflight(context.store, batch)
     return jsonify(_batch_or_404(batch_id).model_dump(mode="json"))
 
 
