@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from config.settings import Settings
+from exo_tasks import cli_batch
 from exo_tasks.client import ApiClient
 from exo_tasks.errors import ExoError
 from exo_tasks.logs import configure_logging
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("id")
     host.add_argument("--mode", choices=["warm", "cold"], default="warm")
     shutdown.set_defaults(func=cmd_shutdown)
+    cli_batch.register(sub, _client)
     return parser
 
 

@@ -28,6 +28,10 @@ class ApiClient:
         response = self._send(method, path, json=body, params=params, timeout=TIMEOUT_S)
         return response.json()
 
+    def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        """The raw response (a multipart upload, a file's bytes); 4xx/5xx as in `call`."""
+        return self._send(method, path, timeout=TIMEOUT_S, **kwargs)
+
     def events(self, job_id: str) -> Iterator[tuple[str, dict[str, Any]]]:
         """A job's events as (name, data), up to its last (`done` or `error`)."""
         response = self._send("GET", f"/v1/jobs/{job_id}/stream", stream=True, timeout=None)
