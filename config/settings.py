@@ -107,13 +107,13 @@ class Settings(BaseSettings):
         50_000, ge=1, description="The most requests one batch's input file may hold."
     )
     batch_inflight_per_host: int = Field(
-        24,
+        32,
         ge=1,
-        description="A batch's requests that are jobs at once, per live host, all batches "
-        "together: below a runner's batch and the pool, so interactive jobs find room.",
+        description="Batch requests that are jobs at once on each live host, all batches "
+        "together; never more than its pool children less 2, left for interactive jobs.",
     )
     batch_max_queued: int = Field(
-        8,
+        16,
         ge=1,
         description="Batch jobs waiting in a queue at once: the feeder sends more as the fleet "
         "takes them, never a backlog ahead of interactive jobs (nor near EXO_MAX_QUEUED_JOBS).",

@@ -11,9 +11,11 @@ jobs never wait behind a batch. A line's result is written once (exo_tasks.store
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -32,7 +34,7 @@ from exo_tasks.batch_types import (
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.errors import ExoError, InvalidRequest, QueueFull, Unavailable
 from exo_tasks.store.keys import BATCH_FEEDER_LEASE
-from exo_tasks.types import JobStatus
+from exo_tasks.types import JobRecord, JobStatus
 
 log = logging.getLogger("exo_tasks.batches")
 TICK_S = 0.1
@@ -40,6 +42,17 @@ LEASE_TTL_S = 5.0
 # A batch being cancelled or past its window: its jobs in flight are asked to stop this often
 # until they have all ended (the API's cancel asks at once).
 CANCEL_EVERY_S = 1.0
+# Pool children on each host that batch jobs leave free, for interactive jobs.
+RESERVED_CHILDREN = 2
+# Lines sent side by side: each send waits on a few round trips to Redis.
+SENDERS = 8
+
+
+class Sent(enum.Enum):
+    SENT = "sent"
+
+
+SENT = Sent.SENT
 
 
 @dataclass
@@ -67,15 +80,20 @@ class BatchFeeder:
         self.results = LineResults()
         self._closing = threading.Event()
         self._cancelled_at: dict[str, float] = {}
+        self._moved = 0  # lines sent or ended in the last tick
+        self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="batch-send")
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="batch-feeder", daemon=True).start()
 
     def stop(self) -> None:
         self._closing.set()
+        self._senders.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
-        while not self._closing.wait(TICK_S):
+        # At once again after a tick that moved lines (the fleet is waiting), else a pause.
+        while not self._closing.wait(0 if self._moved else TICK_S):
+            self._moved = 0
             try:
                 if self.store.hold_lease(self.holder, LEASE_TTL_S, BATCH_FEEDER_LEASE):
                     self.tick()
@@ -84,8 +102,9 @@ class BatchFeeder:
 
     def tick(self) -> None:
         batches = [b for b in map(self.store.get_batch, self.store.open_batches()) if b]
-        hosts = max(1, len(self.store.fleet()[0]))
-        room = Room(self.settings.batch_inflight_per_host * hosts, self.settings.batch_max_queued)
+        if not batches:
+            return
+        room = Room(self._fleet_room(), self.settings.batch_max_queued)
         running: list[Batch] = []
         for batch in batches:
             if batch.status == "validating":
@@ -98,6 +117,15 @@ class BatchFeeder:
                 running.append(batch)
         for batch in running:
             self.feed(batch, room)
+
+    def _fleet_room(self) -> int:
+        """Batch jobs the live hosts run at once: on each, EXO_BATCH_INFLIGHT_PER_HOST, but
+        never so many that its pool has no child left for an interactive job."""
+        per_host = self.settings.batch_inflight_per_host
+        return sum(
+            min(per_host, (host.concurrency or per_host) - RESERVED_CHILDREN)
+            for host in self.store.fleet()[0]
+        )
 
     # --- validating ---
 
@@ -126,58 +154,80 @@ class BatchFeeder:
     def collect(self, batch: Batch) -> list[JobStatus]:
         """Write the result of each of the batch's jobs that ended; the statuses of the rest."""
         lines = self.store.inflight(batch.id)
-        found = [(line, self.store.get_job(line_job_id(batch.id, line))) for line in lines]
+        records = self.store.job_records([line_job_id(batch.id, line) for line in lines])
+        found = list(zip(lines, records, strict=True))
         ended = [(line, job) for line, job in found if job is None or job.is_terminal]
         if ended:
             raws = self.store.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
             cut = "expired" if self._expired(batch) else batch.status
+            results = []
             for (line, job), raw in zip(ended, raws, strict=True):
                 custom_id = batch_input.read_line(raw).custom_id
                 if job is None:  # its record expired (EXO_JOB_TTL_S) before it was collected
                     error = ExoError(f"the request's job {line_job_id(batch.id, line)} is gone")
-                    result = self.results.refused(batch, line, custom_id, error)
+                    results.append((line, self.results.refused(batch, line, custom_id, error)))
                 else:
-                    result = self.results.of_job(batch, line, custom_id, job, cut)
-                self._write(batch, line, result)
+                    results.append((line, self.results.of_job(batch, line, custom_id, job, cut)))
+            self._write(batch, results)
         return [job.status for _, job in found if job is not None and not job.is_terminal]
 
-    def _write(self, batch: Batch, line: int, result: ResultLine) -> None:
-        ok = succeeded(result)
-        if self.store.write_result(batch.id, line, ok, result.model_dump_json()):
-            observations = metrics.Observations()
-            observations.inc(metrics.BATCH_REQUESTS, status="completed" if ok else "failed")
+    def _write(self, batch: Batch, results: list[tuple[int, ResultLine]]) -> None:
+        """Each line's result, unless it has one; each one written counted in the metrics."""
+        rows = [(line, succeeded(result), result.model_dump_json()) for line, result in results]
+        self._moved += len(rows)
+        observations = metrics.Observations()
+        for (_, ok, _), written in zip(rows, self.store.write_results(batch.id, rows), strict=True):
+            if written:
+                observations.inc(metrics.BATCH_REQUESTS, status="completed" if ok else "failed")
+        if observations:
             self.store.write_metrics(observations)
 
     # --- feeding ---
 
     def feed(self, batch: Batch, room: Room) -> None:
+        """Send the next lines the fleet has room for, side by side (each send is a few round
+        trips to Redis). The cursor moves past each line in order, up to the first that has to
+        wait; one sent beyond it is found (its id) when the feeder comes back to it."""
         cursor, total = self.store.cursor(batch.id), batch.request_counts.total
         lines = list(range(cursor, min(total, cursor + room.left)))
         if not lines:
             return
         raws = self.store.input_lines(batch.id, batch.input_file_id, lines)
-        for line, raw in zip(lines, raws, strict=True):
-            if not self._feed_line(batch, line, batch_input.read_line(raw)):
-                return
-            room.take()
+        existing = self.store.job_records([line_job_id(batch.id, line) for line in lines])
+        outcomes = list(
+            self._senders.map(self._send_line, [batch] * len(lines), lines, raws, existing)
+        )
+        sent: list[int] = []
+        refused: list[tuple[int, ResultLine]] = []
+        for line, outcome in zip(lines, outcomes, strict=True):
+            if outcome is None:
+                break
+            if outcome is SENT:
+                sent.append(line)
+                room.take()
+            else:
+                refused.append((line, outcome))
+            cursor = line + 1
+        self._write(batch, refused)
+        self.store.take_lines(batch.id, sent, cursor)
+        self._moved += len(sent)
 
-    def _feed_line(self, batch: Batch, line: int, request: batch_input.InputLine) -> bool:
-        """Send the line as a job, or write why its endpoint refuses it. False: the fleet takes
-        no job now (a full queue, every runner of the model down); the line waits."""
-        job_id = line_job_id(batch.id, line)
-        if self.store.get_job(job_id) is not None:  # sent before the last holder died
-            self.store.take_line(batch.id, line, as_job=True)
-            return True
+    def _send_line(
+        self, batch: Batch, line: int, raw: str, existing: JobRecord | None
+    ) -> ResultLine | Sent | None:
+        """Send the line as a job (SENT; also when it was sent before the last holder died),
+        or the answer its endpoint refuses it with. None: the fleet takes no job now (a full
+        queue, every runner of the model down); the line waits."""
+        request = batch_input.read_line(raw)
+        if existing is not None:
+            return SENT
         try:
-            self._submit(batch, request, job_id)
+            self._submit(batch, request, line_job_id(batch.id, line))
         except (QueueFull, Unavailable):
-            return False
+            return None
         except (ExoError, ValidationError) as exc:
-            self._write(batch, line, self.results.refused(batch, line, request.custom_id, exc))
-            self.store.take_line(batch.id, line, as_job=False)
-            return True
-        self.store.take_line(batch.id, line, as_job=True)
-        return True
+            return self.results.refused(batch, line, request.custom_id, exc)
+        return SENT
 
     def _submit(self, batch: Batch, request: batch_input.InputLine, job_id: str) -> None:
         kind, _ = ENDPOINTS[batch.endpoint]
@@ -246,9 +296,14 @@ class BatchFeeder:
         for start in range(0, len(missing), 1000):
             chunk = missing[start : start + 1000]
             raws = self.store.input_lines(batch.id, batch.input_file_id, chunk)
-            for line, raw in zip(chunk, raws, strict=True):
-                custom_id = batch_input.read_line(raw).custom_id
-                self._write(batch, line, self.results.never_ran(batch, line, custom_id, cut))
+            results = [
+                (
+                    line,
+                    self.results.never_ran(batch, line, batch_input.read_line(raw).custom_id, cut),
+                )
+                for line, raw in zip(chunk, raws, strict=True)
+            ]
+            self._write(batch, results)
 
     def _file(self, batch: Batch, kind: str, lines: list[str], now: int) -> str | None:
         if not lines:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from exo_tasks.batch_types import Batch, BatchStatus, RequestCounts
 from exo_tasks.store.client import RedisPart
-from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key
+from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key, job_key
+from exo_tasks.types import JobRecord
 
 # KEYS: batch hash. ARGV: new status, record, then the statuses it may move from.
 MOVE = """
@@ -114,22 +115,34 @@ class BatchRecords(RedisPart):
         """The next line to send as a job."""
         return int(self.redis.hget(batch_key(batch_id), "cursor") or 0)
 
-    def take_line(self, batch_id: str, line: int, *, as_job: bool) -> None:
-        """The cursor moves past `line`: a job now (`as_job`), or a line with its result."""
+    def take_lines(self, batch_id: str, jobs: list[int], cursor: int) -> None:
+        """The cursor moves to `cursor`: the lines before it are jobs now (`jobs`) or have
+        their results."""
         pipe = self.redis.pipeline(transaction=True)
-        if as_job:
-            pipe.sadd(batch_key(batch_id, "inflight"), line)
-        pipe.hset(batch_key(batch_id), "cursor", line + 1)
+        if jobs:
+            pipe.sadd(batch_key(batch_id, "inflight"), *jobs)
+        pipe.hset(batch_key(batch_id), "cursor", cursor)
         pipe.execute()
+
+    def job_records(self, job_ids: list[str]) -> list[JobRecord | None]:
+        """Jobs' records in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(job_key(job_id), "record")
+        return [JobRecord.model_validate_json(raw) if raw else None for raw in pipe.execute()]
 
     def inflight(self, batch_id: str) -> list[int]:
         return sorted(int(i) for i in self.redis.smembers(batch_key(batch_id, "inflight")))
 
-    def write_result(self, batch_id: str, line: int, ok: bool, result: str) -> bool:
-        """The line's result, unless it has one already; True if this call wrote it."""
+    def write_results(self, batch_id: str, results: list[tuple[int, bool, str]]) -> list[bool]:
+        """Each (line, ok, result) unless the line has a result already, in one round trip;
+        whether each was written."""
         keys = [batch_key(batch_id, p) for p in ("results", None, "inflight")]
-        args = [line, (OK if ok else FAILED) + result, "completed" if ok else "failed"]
-        return bool(self.script(RESULT)(keys=keys, args=args))
+        pipe = self.redis.pipeline(transaction=False)
+        for line, ok, result in results:
+            args = [line, (OK if ok else FAILED) + result, "completed" if ok else "failed"]
+            pipe.eval(RESULT, len(keys), *keys, *args)
+        return [bool(written) for written in pipe.execute()]
 
     def lines_with_results(self, batch_id: str) -> set[int]:
         return {int(line) for line in self.redis.hkeys(batch_key(batch_id, "results"))}
