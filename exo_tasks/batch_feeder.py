@@ -1,9 +1,9 @@
 """The batch feeder: drives every open batch, from validation to its output files.
 
-It runs in a worker's main process, in one worker at a time (a lease in Redis, taken over
-within seconds when its holder dies), and keeps nothing in memory that Redis does not have: a
-feeder that was killed anywhere is continued by the next holder, and every step is one it can
-repeat. A line runs as a job whose id follows from the line (exo_tasks.batch_results), sent
+It runs in a process of its own beside each worker (exo_tasks.batch_process), one at a time
+(a lease in Redis, taken over within seconds when its holder dies), and keeps nothing in memory
+that Redis does not have: a feeder that was killed anywhere is continued by the next holder, and
+every step is one it can repeat. A line runs as a job whose id follows from the line, sent
 at `low` priority only while the fleet has room: at most EXO_BATCH_MAX_QUEUED batch jobs
 waiting in the queues and EXO_BATCH_INFLIGHT_PER_HOST per live host at all, so interactive
 jobs never wait behind a batch. A line's result is written once (exo_tasks.store.batches).
@@ -83,12 +83,15 @@ class BatchFeeder:
         self._moved = 0  # lines sent or ended in the last tick
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="batch-send")
 
-    def start(self) -> None:
-        threading.Thread(target=self._run, name="batch-feeder", daemon=True).start()
-
     def stop(self) -> None:
         self._closing.set()
-        self._senders.shutdown(wait=False, cancel_futures=True)
+
+    def run(self) -> None:
+        """Tick until stopped, holding the feeder's lease (exo_tasks.batch_process runs this)."""
+        try:
+            self._run()
+        finally:
+            self._senders.shutdown(wait=True, cancel_futures=True)
 
     def _run(self) -> None:
         # At once again after a tick that moved lines (the fleet is waiting), else a pause.

@@ -19,8 +19,7 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import jobs, recovery
-from exo_tasks.batch_feeder import BatchFeeder
+from exo_tasks import batch_process, jobs, recovery
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.logs import configure_logging
@@ -74,11 +73,8 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             stuck_after_s=settings.runner_start_timeout_s + recovery.STUCK_MARGIN_S,
         )
 
-        # Drives OpenAI batches, in one worker at a time (its own lease).
-        self.feeder = BatchFeeder(app, app.incarnation)
-
         def on_stopped() -> None:
-            self.feeder.stop()
+            batch_process.stop(self.feeder)
             self.recovery.stop()
             self.presence.stop()
 
@@ -96,7 +92,8 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         previous = self.presence.start()
         self.recovery.start(previous)
-        self.feeder.start()
+        # Drives OpenAI batches, in one worker at a time (its own lease), in its own process.
+        self.feeder = batch_process.start(worker.app.settings, worker.app.incarnation)
         super().start(worker)
 
 
