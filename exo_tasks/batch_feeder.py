@@ -158,21 +158,34 @@ class BatchFeeder:
         """Write the result of each of the batch's jobs that ended; the statuses of the rest."""
         lines = self.store.inflight(batch.id)
         records = self.store.job_records([line_job_id(batch.id, line) for line in lines])
-        found = list(zip(lines, records, strict=True))
-        ended = [(line, job) for line, job in found if job is None or job.is_terminal]
+        still: list[JobStatus] = []
+        ended: list[tuple[int, JobRecord | None]] = []
+        for line, job in zip(lines, records, strict=True):
+            if job is None or job.is_terminal:
+                ended.append((line, job))
+            else:
+                still.append(job.status)
         if ended:
-            raws = self.store.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
-            cut = "expired" if self._expired(batch) else batch.status
-            results = []
-            for (line, job), raw in zip(ended, raws, strict=True):
-                custom_id = batch_input.read_line(raw).custom_id
-                if job is None:  # its record expired (EXO_JOB_TTL_S) before it was collected
-                    error = ExoError(f"the request's job {line_job_id(batch.id, line)} is gone")
-                    results.append((line, self.results.refused(batch, line, custom_id, error)))
-                else:
-                    results.append((line, self.results.of_job(batch, line, custom_id, job, cut)))
-            self._write(batch, results)
-        return [job.status for _, job in found if job is not None and not job.is_terminal]
+            self._write(batch, self._ended_lines(batch, ended))
+        return still
+
+    def _ended_lines(
+        self, batch: Batch, ended: list[tuple[int, JobRecord | None]]
+    ) -> list[tuple[int, ResultLine]]:
+        raws = self.store.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
+        cut = "expired" if self._expired(batch) else batch.status
+        return [
+            (line, self._ended_line(batch, line, batch_input.read_line(raw).custom_id, job, cut))
+            for (line, job), raw in zip(ended, raws, strict=True)
+        ]
+
+    def _ended_line(
+        self, batch: Batch, line: int, custom_id: str, job: JobRecord | None, cut: str
+    ) -> ResultLine:
+        if job is None:  # its record expired (EXO_JOB_TTL_S) before it was collected
+            error = ExoError(f"the request's job {line_job_id(batch.id, line)} is gone")
+            return self.results.refused(batch, line, custom_id, error)
+        return self.results.of_job(batch, line, custom_id, job, cut)
 
     def _write(self, batch: Batch, results: list[tuple[int, ResultLine]]) -> None:
         """Each line's result, unless it has one; each one written counted in the metrics."""
