@@ -73,8 +73,11 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             stuck_after_s=settings.runner_start_timeout_s + recovery.STUCK_MARGIN_S,
         )
 
+        self.feeder: Any = None  # spawned in start()
+
         def on_stopped() -> None:
-            batch_process.stop(self.feeder)
+            if self.feeder is not None:
+                batch_process.stop(self.feeder)
             self.recovery.stop()
             self.presence.stop()
 
