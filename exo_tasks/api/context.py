@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from flask import current_app
 
 from config.settings import Settings
+from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
-from exo_tasks.store import Store
+from exo_tasks.store import Store, connect
 
 
 @dataclass
@@ -16,9 +18,25 @@ class ApiContext:
     settings: Settings
     celery: ExoCelery
 
-    @property
+    @cached_property
     def store(self) -> Store:
-        return self.celery.store
+        """Redis for requests, on at most EXO_API_REDIS_CONNECTIONS connections: under the
+        gevent worker thousands of requests run at once, and they wait for a connection
+        instead of opening one each."""
+        client = connect(
+            self.settings.effective_redis_url, max_connections=self.settings.api_redis_connections
+        )
+        return Store(client, job_ttl_s=self.settings.job_ttl_s)
+
+    @cached_property
+    def hub(self) -> EventHub:
+        """The process's one reader of job streams (its own connection)."""
+        url = self.settings.effective_redis_url
+        return EventHub(lambda: connect(url), self.settings.stream_buffer_events)
+
+    @cached_property
+    def streams(self) -> StreamCap:
+        return StreamCap(self.settings.max_streams)
 
 
 def ctx() -> ApiContext:

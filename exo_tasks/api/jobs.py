@@ -10,6 +10,7 @@ from urllib.parse import urlencode
 from flask import Blueprint, Response, jsonify, request
 
 from exo_tasks import jobs
+from exo_tasks.api import streams
 from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
@@ -82,22 +83,27 @@ def stream_job(job_id: str) -> Response:
     `id:` is its stream position, so `Last-Event-ID` resumes without loss or repetition."""
     get_or_404(job_id)
     after = _resume_after()
-    store = ctx().store
+    context = ctx()
+    release = context.streams.acquire()
 
     def events() -> Iterator[str]:
-        for item in jobs.follow(store, job_id, after):
-            if item is None:
-                yield KEEPALIVE
-                continue
-            event_id, event = item
-            data = (
-                public(event.job)
-                if isinstance(event, DoneEvent)
-                else event.model_dump(exclude={"event"})
-            )
-            yield sse_event(event_id, event.event, data)
+        yield KEEPALIVE  # the first byte at once, whatever the job is doing
+        try:
+            for item in streams.follow(context.hub, context.store, job_id, after):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                event_id, event = item
+                data = (
+                    public(event.job)
+                    if isinstance(event, DoneEvent)
+                    else event.model_dump(exclude={"event"})
+                )
+                yield sse_event(event_id, event.event, data)
+        except streams.StreamOverflow as exc:
+            yield sse_event("", "error", {"type": "stream_overflow", "message": str(exc)})
 
-    return sse_response(events())
+    return sse_response(events(), on_close=release)
 
 
 def _resume_after() -> str:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel
 
 from exo_tasks import jobs, limits
+from exo_tasks.api import streams
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.errors import openai_error_body
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
@@ -40,7 +41,6 @@ from exo_tasks.openai_types import (
     OpenAIRequest,
     openai_finish_reason,
 )
-from exo_tasks.store import Store
 from exo_tasks.types import (
     DoneEvent,
     JobRecord,
@@ -133,12 +133,17 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     context = ctx()
     body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
     job_request = jobs.parse_request(context.settings, body.job_fields())
-    job = jobs.submit(context.store, context.celery, context.settings, job_request)
     if body.stream:
-        response = sse_response(
-            _stream(context.store, job, renderer, include_usage=body.include_usage)
-        )
+        release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
+        try:
+            job = jobs.submit(context.store, context.celery, context.settings, job_request)
+        except BaseException:
+            release()
+            raise
+        chunks = _stream(context, job, renderer, include_usage=body.include_usage)
+        response = sse_response(chunks, on_close=release)
     else:
+        job = jobs.submit(context.store, context.celery, context.settings, job_request)
         response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
     response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
     return response
@@ -156,7 +161,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
     limit_s = limits.job_limits(job.request.timeout_s, settings).hard_s + WAIT_SLACK_S
     deadline = time.monotonic() + limit_s
     final: JobRecord | None = None
-    for item in jobs.follow(context.store, job.id):
+    for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
             final = item[1].job
         elif time.monotonic() > deadline:
@@ -178,38 +183,51 @@ def _data(body: BaseModel | dict[str, Any]) -> str:
 
 
 def _stream(
-    store: Store, job: JobRecord, renderer: Renderer, *, include_usage: bool
+    context: ApiContext, job: JobRecord, renderer: Renderer, *, include_usage: bool
 ) -> Iterator[str]:
     """The job as OpenAI stream chunks, a keepalive comment each second nothing happens (a
     queued job, a long prompt), then `data: [DONE]`. If the client goes away, the next write
-    fails, the server closes this generator, and the job is cancelled."""
+    fails, the server closes this generator, and the job is cancelled; so it is if the client
+    falls EXO_STREAM_BUFFER_EVENTS events behind."""
     ended = False
-    sent_text = False
     try:
+        yield KEEPALIVE  # the first byte at once, whatever the job is doing
         for opening in renderer.opening(job):
             yield _data(opening)
-        for item in jobs.follow(store, job.id):
-            if item is None:
-                yield KEEPALIVE
-                continue
-            event = item[1]
-            if isinstance(event, TokenEvent):
-                sent_text = True
-                yield _data(renderer.chunk(job, event.text, None))
-            elif isinstance(event, RequeuedEvent) and sent_text:
-                # The next attempt starts over, and text already sent cannot be taken back:
-                # end this stream (and, below, the job nobody will read).
-                message = f"job {job.id} was requeued after its worker stopped; retry"
-                yield _data(openai_error_body(503, message, code="requeued"))
-                break
-            elif isinstance(event, DoneEvent):
-                ended = True
-                yield from _ending(renderer, job, event.job, include_usage)
-        yield DONE
+        ended = yield from _chunks(context, job, renderer, include_usage=include_usage)
+    except streams.StreamOverflow as exc:
+        yield _data(openai_error_body(503, str(exc), code="stream_overflow"))
     finally:
         if not ended:
             with contextlib.suppress(ExoError):
-                jobs.cancel(store, job.id)
+                jobs.cancel(context.store, job.id)
+
+
+def _chunks(
+    context: ApiContext, job: JobRecord, renderer: Renderer, *, include_usage: bool
+) -> Generator[str, None, bool]:
+    """The job's chunks, up to `data: [DONE]`; True if its job ended."""
+    ended = False
+    sent_text = False
+    for item in streams.follow(context.hub, context.store, job.id):
+        if item is None:
+            yield KEEPALIVE
+            continue
+        event = item[1]
+        if isinstance(event, TokenEvent):
+            sent_text = True
+            yield _data(renderer.chunk(job, event.text, None))
+        elif isinstance(event, RequeuedEvent) and sent_text:
+            # The next attempt starts over, and text already sent cannot be taken back:
+            # end this stream (and, above, the job nobody will read).
+            message = f"job {job.id} was requeued after its worker stopped; retry"
+            yield _data(openai_error_body(503, message, code="requeued"))
+            break
+        elif isinstance(event, DoneEvent):
+            ended = True
+            yield from _ending(renderer, job, event.job, include_usage)
+    yield DONE
+    return ended
 
 
 def _ending(
