@@ -247,9 +247,9 @@ class JobRecord(BaseModel):
         prompt_tokens = self.usage.prompt_tokens
         timings = Timings()
         if self.started_at is not None:
-            timings.queue_ms = _ms(self.started_at - self.created_at)
+            timings.queue_ms = milliseconds(self.started_at - self.created_at)
         if self.first_token_at is not None and self.started_at is not None:
-            timings.ttft_ms = _ms(self.first_token_at - self.started_at)
+            timings.ttft_ms = milliseconds(self.first_token_at - self.started_at)
             decode_s = (now - self.first_token_at).total_seconds()
             if completion_tokens > 1 and decode_s > 0:
                 timings.tokens_per_s = round((completion_tokens - 1) / decode_s, 2)
@@ -269,7 +269,7 @@ class JobRecord(BaseModel):
         )
 
 
-def _ms(delta: timedelta) -> float:
+def milliseconds(delta: timedelta) -> float:
     return round(delta.total_seconds() * 1000, 2)
 
 

@@ -9,13 +9,13 @@ from urllib.parse import urlencode
 
 from flask import Blueprint, Response, jsonify, request
 
-from exo_tasks import jobs
+from exo_tasks import jobs, progress
 from exo_tasks.api import streams
 from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
-from exo_tasks.types import DoneEvent, JobRecord, JobStatus
+from exo_tasks.types import DoneEvent, JobRecord, JobStatus, utcnow
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 MAX_LIST_LIMIT = 1000
@@ -51,7 +51,7 @@ def list_jobs() -> Response:
     listed = ctx().store.list_jobs(status=status, limit=limit, before=before)
     if listed is None:
         raise NotFound(f"no job '{before}' among the recent ones", {"field": "before"})
-    response = jsonify([summary(job) for job in listed])
+    response = jsonify([summary(job) for job in with_progress(listed)])
     if len(listed) == limit:
         query = {"limit": limit, "before": listed[-1].id} | ({"status": status} if status else {})
         response.headers["Link"] = f'<{request.path}?{urlencode(query)}>; rel="next"'
@@ -74,7 +74,18 @@ def get_or_404(job_id: str) -> JobRecord:
 
 @bp.get("/<job_id>")
 def get_job(job_id: str) -> Response:
-    return jsonify(public(get_or_404(job_id)))
+    return jsonify(public(with_progress([get_or_404(job_id)])[0]))
+
+
+def with_progress(listed: list[JobRecord]) -> list[JobRecord]:
+    """The jobs, each running one with its tokens, text and timings so far (read from the
+    event streams of the running ones, in one round trip)."""
+    running = [job.id for job in listed if job.status == JobStatus.RUNNING]
+    if not running:
+        return listed
+    histories = ctx().store.event_histories(running)
+    now = utcnow()
+    return [progress.with_progress(job, histories.get(job.id, []), now) for job in listed]
 
 
 @bp.get("/<job_id>/stream")
