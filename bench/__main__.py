@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from bench import overhead, report, scale, stopping, throughput
+from bench import frontdoor, overhead, report, scale, stopping, throughput
 from bench.config import Config
 from bench.contenders import Lab
 from bench.results import Results
@@ -33,6 +33,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "overhead": overhead.run,
     "stopping": stopping.run,
     "scale": scale.run,
+    "frontdoor": frontdoor.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
