@@ -39,6 +39,7 @@ STREAMS = 300  # a few hundred: `make bench` opens thousands
 JOBS = 3
 IO_TIMEOUT_S: float = Settings.model_fields["api_io_timeout_s"].default
 POOL: int = Settings.model_fields["api_redis_connections"].default
+BUFFER_EVENTS: int = Settings.model_fields["stream_buffer_events"].default
 
 
 @dataclass
@@ -170,6 +171,34 @@ def test_a_stream_that_falls_behind_its_buffer_is_cut_off_and_one_that_keeps_up_
         with pytest.raises(StreamOverflow):
             slow.take(0)
     assert hub.subscribed_jobs == 0
+
+
+def test_a_client_that_stops_reading_is_cut_off_once_its_buffer_is_full(
+    front_door: FrontDoor,
+) -> None:
+    """Far sooner than the I/O timeout: the reader closes the connection on overflow."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", front_door.port))
+    job_id = front_door.job_ids[0]
+    with sock:
+        sock.sendall(f"GET /v1/jobs/{job_id}/stream HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        first_bytes(sock)
+        # A job far faster than its reader: more than the kernel's buffers and the stream's.
+        text = "x" * 4096
+        pipe = front_door.redis.pipeline(transaction=False)
+        for index in range(BUFFER_EVENTS * 3):
+            event = TokenEvent(index=index, text=text).model_dump_json()
+            pipe.xadd(events_key(job_id), {"event": "token", "data": event})
+        pipe.execute()
+        written = time.monotonic()
+        sock.settimeout(IO_TIMEOUT_S)
+        received = 0
+        while chunk := sock.recv(1 << 20):
+            received += len(chunk)
+        closed_s = time.monotonic() - written
+    assert received < BUFFER_EVENTS * 3 * len(text), received
+    assert closed_s < IO_TIMEOUT_S / 2, closed_s
 
 
 def test_a_client_that_vanishes_without_a_fin_is_noticed_by_the_keepalives(

@@ -20,6 +20,7 @@ What the gthread worker of issue 18 protected against still holds:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import resource
 import socket
@@ -105,6 +106,14 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
             raise NoMoreData() from None
         with gevent.Timeout(self.header_timeout_s, RequestTimeout):
             yield
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
+        try:
+            return super().handle_request(listener_name, req, sock, addr)
+        except TimeoutError as exc:  # the I/O timeout, or TCP_USER_TIMEOUT: expected, no trace
+            self.log.warning("client gone (%s): connection closed", exc)
+            # gunicorn closes a connection after EPIPE without logging a stack trace.
+            raise BrokenPipeError(errno.EPIPE, "client gone") from exc
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
         if isinstance(exc, RequestTimeout):

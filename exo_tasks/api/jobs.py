@@ -96,11 +96,12 @@ def stream_job(job_id: str) -> Response:
     after = _resume_after()
     context = ctx()
     release = context.streams.acquire()
+    overflow = streams.close_connection(request.environ)
 
     def events() -> Iterator[str]:
         yield KEEPALIVE  # the first byte at once, whatever the job is doing
         try:
-            for item in streams.follow(context.hub, context.store, job_id, after):
+            for item in streams.follow(context.hub, context.store, job_id, after, overflow):
                 if item is None:
                     yield KEEPALIVE
                     continue

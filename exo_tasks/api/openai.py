@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel
 
 from exo_tasks import jobs, limits
@@ -140,7 +140,8 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
         except BaseException:
             release()
             raise
-        chunks = _stream(context, job, renderer, include_usage=body.include_usage)
+        overflow = streams.close_connection(request.environ)
+        chunks = _stream(context, job, renderer, overflow, include_usage=body.include_usage)
         response = sse_response(chunks, on_close=release)
     else:
         job = jobs.submit(context.store, context.celery, context.settings, job_request)
@@ -183,7 +184,12 @@ def _data(body: BaseModel | dict[str, Any]) -> str:
 
 
 def _stream(
-    context: ApiContext, job: JobRecord, renderer: Renderer, *, include_usage: bool
+    context: ApiContext,
+    job: JobRecord,
+    renderer: Renderer,
+    overflow: Callable[[], None],
+    *,
+    include_usage: bool,
 ) -> Iterator[str]:
     """The job as OpenAI stream chunks, a keepalive comment each second nothing happens (a
     queued job, a long prompt), then `data: [DONE]`. If the client goes away, the next write
@@ -194,7 +200,7 @@ def _stream(
         yield KEEPALIVE  # the first byte at once, whatever the job is doing
         for opening in renderer.opening(job):
             yield _data(opening)
-        ended = yield from _chunks(context, job, renderer, include_usage=include_usage)
+        ended = yield from _chunks(context, job, renderer, overflow, include_usage=include_usage)
     except streams.StreamOverflow as exc:
         yield _data(openai_error_body(503, str(exc), code="stream_overflow"))
     finally:
@@ -204,12 +210,17 @@ def _stream(
 
 
 def _chunks(
-    context: ApiContext, job: JobRecord, renderer: Renderer, *, include_usage: bool
+    context: ApiContext,
+    job: JobRecord,
+    renderer: Renderer,
+    overflow: Callable[[], None],
+    *,
+    include_usage: bool,
 ) -> Generator[str, None, bool]:
     """The job's chunks, up to `data: [DONE]`; True if its job ended."""
     ended = False
     sent_text = False
-    for item in streams.follow(context.hub, context.store, job.id):
+    for item in streams.follow(context.hub, context.store, job.id, on_overflow=overflow):
         if item is None:
             yield KEEPALIVE
             continue

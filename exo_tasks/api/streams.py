@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -62,6 +63,7 @@ class Subscription:
     last: tuple[int, int]
     limit: int
     lock: threading.Lock
+    on_overflow: Callable[[], None] = lambda: None
     items: deque[Entry] = field(default_factory=deque)
     overflowed: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
@@ -75,6 +77,7 @@ class Subscription:
         if len(self.items) >= self.limit:
             self.overflowed = True
             self.items.clear()  # the stream ends: its backlog is of no use to anyone
+            self.on_overflow()
         else:
             self.items.append((entry_id, event))
         self.ready.set()
@@ -110,9 +113,12 @@ class EventHub:
         return len(self._subscribers)
 
     @contextlib.contextmanager
-    def subscribe(self, job_id: str, after: str) -> Iterator[Subscription]:
-        """Events of the job after stream id `after`, for as long as the block lasts."""
-        sub = Subscription(job_id, stream_id(after), self.buffer_events, self._lock)
+    def subscribe(
+        self, job_id: str, after: str, on_overflow: Callable[[], None] = lambda: None
+    ) -> Iterator[Subscription]:
+        """Events of the job after stream id `after`, for as long as the block lasts.
+        `on_overflow` is called (by the reader) when the subscriber falls too far behind."""
+        sub = Subscription(job_id, stream_id(after), self.buffer_events, self._lock, on_overflow)
         with self._lock:
             self._subscribers.setdefault(job_id, set()).add(sub)
             cursor = self._cursors.get(job_id)
@@ -198,19 +204,37 @@ class StreamCap:
         return release
 
 
+def close_connection(environ: dict[str, Any]) -> Callable[[], None]:
+    """What ends a request's connection at once, from any thread or greenlet: a write blocked
+    on a client that stopped reading then fails, and the response is closed."""
+    sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
+
+    def close() -> None:
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    return close
+
+
 def follow(
-    hub: EventHub, store: Store, job_id: str, after: str = "0-0"
+    hub: EventHub,
+    store: Store,
+    job_id: str,
+    after: str = "0-0",
+    on_overflow: Callable[[], None] = lambda: None,
 ) -> Iterator[tuple[str, JobEvent] | None]:
     """exo_tasks.jobs.follow through the hub: a job's events after `after` up to its last
     (DoneEvent), None for each second without one (a keepalive). A reader that resumed past
-    the end of an ended job's stream gets its last event again. StreamOverflow if the caller
-    falls EXO_STREAM_BUFFER_EVENTS events behind."""
+    the end of an ended job's stream gets its last event again. If the caller falls
+    EXO_STREAM_BUFFER_EVENTS events behind, `on_overflow` is called at once (by the reader)
+    and the caller gets StreamOverflow at its next read."""
     last = store.last_event(job_id)
     ended = last is not None and isinstance(last[1], DoneEvent)
     if last is not None and ended and stream_id(last[0]) <= stream_id(after):
         yield last
         return
-    with hub.subscribe(job_id, after) as sub:
+    with hub.subscribe(job_id, after, on_overflow) as sub:
         while True:
             batch = sub.take(KEEPALIVE_S)
             if not batch:
