@@ -53,15 +53,25 @@ def resolve_model(fleet: Fleet, settings: Settings, requested: str | None) -> st
     return model
 
 
-def submit(store: Store, celery: Celery, settings: Settings, request: JobRequest) -> JobRecord:
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def submit(
+    store: Store,
+    celery: Celery,
+    settings: Settings,
+    request: JobRequest,
+    job_id: str | None = None,
+) -> JobRecord:
     """Record the job, then send its task: a job the API accepted is never unknown. A pinned
     job goes to its host's own queue, which only that host's worker consumes. Once
     EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
-    fill up."""
+    fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client."""
     fleet = Fleet.load(store)
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
-    job = JobRecord(id=uuid.uuid4().hex, model=model, request=request)
+    job = JobRecord(id=job_id or new_job_id(), model=model, request=request)
     depth = store.create_job(job, queue, settings.max_queued_jobs)
     if depth >= settings.max_queued_jobs:
         raise QueueFull(

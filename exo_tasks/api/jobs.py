@@ -35,7 +35,7 @@ def summary(job: JobRecord) -> dict[str, Any]:
 def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
-    job = jobs.submit(context.store, context.celery, context.settings, job_request)
+    job = context.submit(job_request)
     return jsonify(summary(job)), 202
 
 

@@ -11,13 +11,14 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel
 
 from exo_tasks import jobs, limits
-from exo_tasks.api import streams
+from exo_tasks.api import errors, streams
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.errors import openai_error_body
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
@@ -44,6 +45,7 @@ from exo_tasks.openai_types import (
 from exo_tasks.types import (
     DoneEvent,
     JobRecord,
+    JobRequest,
     JobStatus,
     RequeuedEvent,
     TokenEvent,
@@ -135,18 +137,16 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     job_request = jobs.parse_request(context.settings, body.job_fields())
     if body.stream:
         release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
-        try:
-            job = jobs.submit(context.store, context.celery, context.settings, job_request)
-        except BaseException:
-            release()
-            raise
-        overflow = streams.close_connection(request.environ)
-        chunks = _stream(context, job, renderer, overflow, include_usage=body.include_usage)
-        response = sse_response(chunks, on_close=release)
+        plan = _Stream(
+            context, renderer, streams.close_connection(request.environ), body.include_usage
+        )
+        job_id = jobs.new_job_id()
+        response = sse_response(_stream(plan, job_request, job_id), on_close=release)
     else:
-        job = jobs.submit(context.store, context.celery, context.settings, job_request)
+        job = context.submit(job_request)
+        job_id = job.id
         response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
-    response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
+    response.headers["X-Exo-Job-Id"] = job_id  # for GET /v1/jobs/<id>, its stream, or a cancel
     return response
 
 
@@ -183,44 +183,56 @@ def _data(body: BaseModel | dict[str, Any]) -> str:
     return f"data: {text}\n\n"
 
 
-def _stream(
-    context: ApiContext,
-    job: JobRecord,
-    renderer: Renderer,
-    overflow: Callable[[], None],
-    *,
-    include_usage: bool,
-) -> Iterator[str]:
+@dataclass
+class _Stream:
+    """How one streamed answer is written."""
+
+    context: ApiContext
+    renderer: Renderer
+    overflow: Callable[[], None]  # ends the connection at once (the client fell behind)
+    include_usage: bool
+
+
+def _stream(plan: _Stream, job_request: JobRequest, job_id: str) -> Iterator[str]:
+    """The first byte at once, then the job submitted, then its chunks. Thousands of clients
+    arriving together each get their first byte within moments while their submissions take
+    turns; a submission refused (no live host serves the model, the queue is full, Redis is
+    down) ends the stream with the error, in OpenAI's shape, as the request would have had."""
+    yield KEEPALIVE
+    try:
+        job = plan.context.submit(job_request, job_id)
+    except Exception as exc:  # noqa: BLE001 (the error funnel decides, and logs the unexpected)
+        yield _data(json.loads(errors.handle(exc).get_data()))
+        yield DONE
+        return
+    yield from _job_stream(plan, job)
+
+
+def _job_stream(plan: _Stream, job: JobRecord) -> Iterator[str]:
     """The job as OpenAI stream chunks, a keepalive comment each second nothing happens (a
     queued job, a long prompt), then `data: [DONE]`. If the client goes away, the next write
     fails, the server closes this generator, and the job is cancelled; so it is if the client
     falls EXO_STREAM_BUFFER_EVENTS events behind."""
     ended = False
     try:
-        yield KEEPALIVE  # the first byte at once, whatever the job is doing
-        for opening in renderer.opening(job):
+        for opening in plan.renderer.opening(job):
             yield _data(opening)
-        ended = yield from _chunks(context, job, renderer, overflow, include_usage=include_usage)
+        ended = yield from _chunks(plan, job)
     except streams.StreamOverflow as exc:
         yield _data(openai_error_body(503, str(exc), code="stream_overflow"))
     finally:
         if not ended:
             with contextlib.suppress(ExoError):
-                jobs.cancel(context.store, job.id)
+                jobs.cancel(plan.context.store, job.id)
 
 
-def _chunks(
-    context: ApiContext,
-    job: JobRecord,
-    renderer: Renderer,
-    overflow: Callable[[], None],
-    *,
-    include_usage: bool,
-) -> Generator[str, None, bool]:
+def _chunks(plan: _Stream, job: JobRecord) -> Generator[str, None, bool]:
     """The job's chunks, up to `data: [DONE]`; True if its job ended."""
     ended = False
     sent_text = False
-    for item in streams.follow(context.hub, context.store, job.id, on_overflow=overflow):
+    renderer = plan.renderer
+    follow = streams.follow(plan.context.hub, plan.context.store, job.id, on_overflow=plan.overflow)
+    for item in follow:
         if item is None:
             yield KEEPALIVE
             continue
@@ -236,7 +248,7 @@ def _chunks(
             break
         elif isinstance(event, DoneEvent):
             ended = True
-            yield from _ending(renderer, job, event.job, include_usage)
+            yield from _ending(renderer, job, event.job, plan.include_usage)
     yield DONE
     return ended
 
