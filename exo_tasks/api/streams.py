@@ -38,6 +38,12 @@ _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
 READ_SLICE_MS = 200
 # Entries taken per stream and read: one reply stays small even when many jobs run.
 READ_COUNT = 256
+# While events flow, each XREAD returns at once and names every open stream's job again: reads
+# are spaced by this much per stream read (at most MAX_READ_GAP_S), so that a few thousand
+# streams cost Redis and this process a bounded number of key reads per second, at the price
+# of events arriving in slightly larger bunches.
+READ_GAP_PER_STREAM_S = 50e-6
+MAX_READ_GAP_S = 0.1
 STREAMS_FULL_RETRY_AFTER_S = 1
 # A stream with nothing to send writes a keepalive this often: a client gone without a FIN is
 # noticed by the write that the kernel gives up on (see gunicorn_worker.py).
@@ -153,6 +159,7 @@ class EventHub:
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
+            started = time.monotonic()
             try:
                 reply: Any = client.xread(streams, count=READ_COUNT, block=READ_SLICE_MS)
             except redis.RedisError:
@@ -161,6 +168,8 @@ class EventHub:
                 continue
             for key, entries in reply or []:
                 self._dispatch(jobs[key], entries)
+            gap_s = min(MAX_READ_GAP_S, READ_GAP_PER_STREAM_S * len(streams))
+            time.sleep(max(0.0, started + gap_s - time.monotonic()))
 
     def _dispatch(self, job_id: str, entries: list[tuple[str, dict[str, str]]]) -> None:
         parsed = [(entry_id, _event_adapter.validate_json(f["data"])) for entry_id, f in entries]
