@@ -1,11 +1,11 @@
 """The job service, with no HTTP in it: parse a job request, resolve its model, submit it
-(record, then send its Celery message), follow its events, cancel it. The native and the
-OpenAI-compatible routes and the recovery loop all go through here."""
+(record, then send its Celery message), cancel it. The native and the OpenAI-compatible routes
+and the recovery loop all go through here; the API follows a job's events through
+exo_tasks.api.streams."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery
@@ -19,10 +19,8 @@ from exo_tasks.errors import Conflict, NotFound, QueueFull
 from exo_tasks.fleet import Fleet
 from exo_tasks.naming import find_model, host_queue, model_queue
 from exo_tasks.store import Store
-from exo_tasks.types import DoneEvent, JobEvent, JobRecord, JobRequest, JobStatus
+from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
-# A follower of a job's events wakes this often when nothing happens (an SSE keepalive).
-FOLLOW_SLICE_MS = 1000
 QUEUE_FULL_RETRY_AFTER_S = 5
 
 
@@ -81,25 +79,6 @@ def submit(
         )
     send(celery, settings, job)
     return job
-
-
-def follow(store: Store, job_id: str, after: str = "0-0") -> Iterator[tuple[str, JobEvent] | None]:
-    """A job's events after stream position `after`, up to its last (DoneEvent); None for
-    each second without one, so a streaming caller can write a keepalive. A reader that
-    resumed past the end of an ended job's stream gets its last event again."""
-    while True:
-        batch = store.read_events(job_id, after, block_ms=FOLLOW_SLICE_MS)
-        if not batch:
-            last = store.last_event(job_id)
-            if last is not None and isinstance(last[1], DoneEvent):
-                yield last
-                return
-            yield None
-        for event_id, event in batch:
-            after = event_id
-            yield event_id, event
-            if isinstance(event, DoneEvent):
-                return
 
 
 def queue_of(job: JobRecord) -> str:

@@ -233,7 +233,7 @@ def follow(
     after: str = "0-0",
     on_overflow: Callable[[], None] = lambda: None,
 ) -> Iterator[tuple[str, JobEvent] | None]:
-    """exo_tasks.jobs.follow through the hub: a job's events after `after` up to its last
+    """A job's events through the hub: those after stream id `after` up to its last
     (DoneEvent), None for each second without one (a keepalive). A reader that resumed past
     the end of an ended job's stream gets its last event again. If the caller falls
     EXO_STREAM_BUFFER_EVENTS events behind, `on_overflow` is called at once (by the reader)
