@@ -24,6 +24,7 @@ import errno
 import json
 import resource
 import socket
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ from config.settings import Settings
 # Descriptors a worker needs beyond its connections: Redis, logs, the listening socket.
 SPARE_FDS = 256
 LINGER_S = 1.0
+STOP_GRACE_S = 0.5
 RECV_BYTES = 64 << 10
 
 
@@ -84,6 +86,15 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
         util.write_error = write_json_error
         self._client = local()
         super().init_process()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """SIGTERM: stop accepting, give requests in flight STOP_GRACE_S, then leave. Open
+        streams never end by themselves, and gevent's own graceful stop waits for every
+        connection (idle keep-alive ones too) up to gunicorn's graceful_timeout; the stack
+        gives the API 2 s to stop. A job whose record was written but not its message is
+        sent again by the recovery loop."""
+        super().handle_exit(sig, frame)
+        gevent.spawn_later(STOP_GRACE_S, sys.exit, 0)
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         # Not GeventWorker.handle: it makes the socket blocking with no timeout at all.
