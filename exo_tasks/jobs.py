@@ -69,6 +69,8 @@ def submit(
     fleet = Fleet.load(store)
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
+    if request.tools:
+        fleet.refuse_tools_unless_supported(model)
     job = JobRecord(id=job_id or new_job_id(), model=model, request=request)
     depth = store.create_job(job, queue, settings.max_queued_jobs)
     if depth >= settings.max_queued_jobs:

@@ -26,6 +26,8 @@ from exo_tasks import limits
 from exo_tasks.naming import host_queue as host_queue
 from exo_tasks.naming import model_queue as model_queue
 from exo_tasks.naming import runner_id_for as runner_id_for
+from exo_tasks.wire import TokenId, TokenLogprob, Tool, ToolCall, absent_when_none
+from exo_tasks.wire import WireModel as WireModel  # importable from here, as before
 
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
@@ -35,6 +37,9 @@ SEED_LIMIT = 1 << 64
 # Every chat template marks each message (its role at least) with one token or more, so a
 # request with more messages than the prompt token cap is over it, whatever the tokenizer.
 MIN_TOKENS_PER_MESSAGE = 1
+MAX_LOGIT_BIAS = 300  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_TOOLS = 128  # as OpenAI
 
 
 def utcnow() -> datetime:
@@ -60,39 +65,11 @@ class JobStatus(enum.StrEnum):
 TERMINAL_JOB_STATUSES: frozenset[JobStatus] = frozenset(s for s in JobStatus if s.is_terminal)
 
 
-class RunnerStatus(enum.StrEnum):
-    """The runner's lifecycle, as exo's runner supervisor names it."""
-
-    WAITING_FOR_MODEL = "WaitingForModel"
-    LOADING = "Loading"
-    LOADED = "Loaded"
-    WARMING_UP = "WarmingUp"
-    READY = "Ready"
-    RUNNING = "Running"
-    SHUTTING_DOWN = "ShuttingDown"
-    SHUTDOWN = "Shutdown"
-    FAILED = "Failed"
-
-    @property
-    def accepts_jobs(self) -> bool:
-        return self in (RunnerStatus.READY, RunnerStatus.RUNNING)
-
-    @property
-    def is_final(self) -> bool:
-        return self in (RunnerStatus.SHUTDOWN, RunnerStatus.FAILED)
-
-
-class WireModel(BaseModel):
-    """Strict, so a typo or a wrong type in a request is an error naming the field, never a
-    silent default or a coercion ("5" or 5.0 as an int, "yes" as a bool); every float finite
-    (Python's JSON parser takes NaN, Infinity and 1e999)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
 class ChatMessage(WireModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's tool calls.")
+    tool_call_id: str | None = Field(None, description="The call a `tool` message answers.")
 
 
 def _within_max_tokens_cap(value: int, info: ValidationInfo) -> int:
@@ -127,6 +104,34 @@ class SamplingParams(WireModel):
     seed: Seed | None = None
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
+    # As mlx_lm.server: filters before sampling (0: off), and logits processors per job.
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Added to the logits of these token ids."
+    )
+    repetition_penalty: float = Field(
+        0.0, ge=0.0, le=10.0, description="Multiplicative, over the last 20 tokens; 0 or 1: off."
+    )
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logprobs: bool = Field(False, description="Return each output token's log probability.")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none"] = Field(
+        "auto", description="`none`: the tools are shown to the model, its output is text."
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs to be true")
+        return value
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class JobRequest(SamplingParams):
@@ -149,6 +154,15 @@ class JobRequest(SamplingParams):
     priority: Priority = "normal"
     timeout_s: float | None = Field(
         None, description="The job's soft time limit in seconds; capped below redelivery."
+    )
+    user: str | None = Field(
+        None, max_length=256, description="Who the job is for, as the client names them; kept."
+    )
+    keep_alive: float | None = Field(
+        None,
+        description="Seconds the model stays loaded once the runner is idle after this job "
+        "(Ollama's keep_alive): 0 unloads at once, negative never; unset: "
+        "EXO_RUNNER_IDLE_UNLOAD_S.",
     )
 
     @field_validator("timeout_s")
@@ -193,6 +207,9 @@ class JobRequest(SamplingParams):
 class JobOutput(BaseModel):
     text: str = ""
     finish_reason: FinishReason | None = None
+    # Set only when the request asked for them (logprobs) or gave tools the model called.
+    logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Usage(BaseModel):
@@ -241,6 +258,8 @@ class JobRecord(BaseModel):
         finish_reason: FinishReason | None,
         completion_tokens: int,
         error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        tool_calls: list[ToolCall] | None = None,
     ) -> JobRecord:
         """This job in a terminal status, with usage and timings filled in."""
         now = utcnow()
@@ -257,7 +276,12 @@ class JobRecord(BaseModel):
             update={
                 "status": JobStatus(status),
                 "finished_at": now,
-                "output": JobOutput(text=text, finish_reason=finish_reason),
+                "output": JobOutput(
+                    text=text,
+                    finish_reason=finish_reason,
+                    logprobs=logprobs if self.request.logprobs else None,
+                    tool_calls=tool_calls or None,
+                ),
                 "usage": Usage(
                     prompt_tokens=prompt_tokens,
                     completion_tokens=completion_tokens,
@@ -280,6 +304,9 @@ class TokenEvent(BaseModel):
     event: Literal["token"] = "token"
     index: int
     text: str
+    # Only when the job asked for logprobs, or its output called tools: absent otherwise.
+    logprobs: list[TokenLogprob] | None = Field(None, exclude_if=absent_when_none)
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=absent_when_none)
 
 
 class DoneEvent(BaseModel):
@@ -298,52 +325,3 @@ class RequeuedEvent(BaseModel):
 
 
 JobEvent = Annotated[TokenEvent | DoneEvent | RequeuedEvent, Field(discriminator="event")]
-
-
-class StatusChange(BaseModel):
-    status: RunnerStatus
-    at: datetime
-    error: str | None = None
-
-
-class RunnerState(BaseModel):
-    """A runner as published to Redis and shown by GET /v1/runners."""
-
-    id: str
-    host: str
-    model: str
-    status: RunnerStatus
-    pid: int | None = None
-    active_jobs: int = 0
-    largest_batch: int = 0
-    lanes: int = Field(1, description="Batches run side by side (one per CPU core on the CPU).")
-    model_loads: int = 0
-    restarts: int = 0
-    error: str | None = None
-    next_restart_at: datetime | None = Field(
-        None, description="Set while a failed runner waits to be restarted."
-    )
-    started_at: datetime | None = None
-    updated_at: datetime = Field(default_factory=utcnow)
-
-    @property
-    def is_down(self) -> bool:
-        """Stopped or failed for good: no restart is coming (only a load brings it back)."""
-        return self.status.is_final and self.next_restart_at is None
-
-
-class HostState(BaseModel):
-    """A worker host as it announces itself in Redis while it runs (an expiring heartbeat)."""
-
-    name: str
-    pid: int
-    incarnation: str = Field(
-        "", description="This run of the worker: jobs it holds name it as their owner."
-    )
-    held: list[str] = Field(
-        default_factory=list,
-        description="Delivery tags of the broker messages this worker holds unacknowledged.",
-    )
-    models: list[str] = Field(description="Slugs of the models this host serves.")
-    started_at: datetime
-    updated_at: datetime = Field(default_factory=utcnow)
