@@ -41,7 +41,7 @@ from config.settings import Settings
 # Descriptors a worker needs beyond its connections: Redis, logs, the listening socket.
 SPARE_FDS = 256
 LINGER_S = 1.0
-STOP_GRACE_S = 0.5
+STOP_GRACE_S = 0.1
 RECV_BYTES = 64 << 10
 
 
