@@ -17,7 +17,7 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import jobs, recovery
+from exo_tasks import jobs, recovery, revocation
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.logs import configure_logging
@@ -114,6 +114,7 @@ components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorS
 def create_worker_app(settings: Settings) -> ExoCelery:
     app = ExoCelery(settings)
     app.steps["worker"].add(RunnerSupervisorStep)
+    revocation.register()  # Flower's revoke and terminate cancel the job
     return app
 
 
