@@ -204,7 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=cmd_submit)
     jobs = sub.add_parser("jobs", help="recent jobs, as a table")
     jobs.add_argument(
-        "--status", default=None, choices=[s.value for s in JobStatus], help="only jobs in this status"
+        "--status",
+        default=None,
+        choices=[s.value for s in JobStatus],
+        help="only jobs in this status",
     )
     jobs.add_argument(
         "--limit",
