@@ -15,11 +15,10 @@ from annotated_types import Ge, Le
 
 from config.settings import Settings
 from exo_tasks import cli_jobs
-from exo_tasks.api.jobs import MAX_LIST_LIMIT
 from exo_tasks.client import ApiClient
 from exo_tasks.errors import ExoError
 from exo_tasks.logs import configure_logging
-from exo_tasks.types import JobStatus
+from exo_tasks.types import MAX_LIST_LIMIT, JobStatus
 
 
 def _exec(argv: list[str]) -> None:
