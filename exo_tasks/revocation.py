@@ -72,5 +72,5 @@ def _cancel(app: ExoCelery, job_id: str, terminate: bool, signal: str | None) ->
         # Ended already (409), or not known: in doubt, never signal a pool child for a job.
         log.info("revoke: job not cancelled", extra={**extra, "reason": str(exc)})
         return True
-    log.info("revoke: job cancelled; its pool child is not signalled", extra=extra)
+    log.info("revoke: job cancelled, no signal sent", extra=extra)
     return True

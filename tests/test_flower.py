@@ -211,3 +211,24 @@ def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
                 5,
                 f"task {task_id} to leave STARTED once its job ended",
             )
+
+
+def test_a_revoke_from_flower_of_a_queued_job_means_it_never_runs(
+    stack: Stack, flower: Flower
+) -> None:
+    # fleet-x has one pool child: a job pinned there waits behind the busy one.
+    busy = stack.api.submit(**LONG, host="fleet-x", model="alpha")
+    wait_tokens(stack, busy)
+    queued = stack.api.submit(prompt="never", max_tokens=8, host="fleet-x", model="alpha")
+    flower.revoke(queued)
+    job = stack.api.wait_job(queued, timeout_s=3)
+    assert job["status"] == "cancelled" and job["started_at"] is None
+    assert stack.api.get(f"/v1/jobs/{busy}").json()["status"] == "running"
+
+    flower.revoke(busy, terminate="true")
+    assert stack.api.wait_job(busy, timeout_s=3)["status"] == "cancelled"
+    for job_id in (busy, queued):
+        flower.wait_state(job_id, "REVOKED")
+        assert str(result_of(stack, job_id).state) == "REVOKED"
+    job = stack.api.get(f"/v1/jobs/{queued}").json()
+    assert job["runner_id"] is None and job["output"]["text"] == ""
