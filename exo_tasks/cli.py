@@ -62,12 +62,12 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
         ensure_model("tiny", settings.tiny_model_dir)
     if args.in_stack:
         # Part of a local stack, which stops as one: the drain window must end before Redis
-        # stops (and before honcho's SIGKILL). Set before the worker reads its settings.
-        os.environ["EXO_WORKER_SOFT_SHUTDOWN_S"] = str(settings.stack_drain_s)
+        # stops (and before honcho's SIGKILL).
+        settings = settings.model_copy(update={"worker_soft_shutdown_s": settings.stack_drain_s})
     wait_for_redis(settings.effective_redis_url)
     from exo_tasks import worker
 
-    worker.main(args.concurrency)
+    worker.main(settings, args.concurrency)
 
 
 def cmd_flower(settings: Settings, _: argparse.Namespace) -> None:

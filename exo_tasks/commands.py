@@ -38,6 +38,17 @@ class StopRunner(BaseModel):
     timeout_s: float = Field(30.0, ge=0)
     requeue: bool = False
 
+    def after(
+        self, under_way: StopRunner | None, under_way_deadline: float, *, now: float
+    ) -> tuple[StopRunner, float]:
+        """This stop, arriving at `now` (monotonic) while `under_way` may be, and its deadline:
+        a stop under way only gets stricter (sooner, or requeueing)."""
+        deadline = now + (0 if self.mode == "hard" else self.timeout_s)
+        if under_way is None:
+            return self, deadline
+        stricter = self.model_copy(update={"requeue": self.requeue or under_way.requeue})
+        return stricter, min(deadline, under_way_deadline)
+
 
 RunnerCommand = Annotated[SubmitJob | CancelJob | StopRunner, Field(discriminator="kind")]
 

@@ -19,17 +19,22 @@ import math
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import apply_top_p, make_sampler
 
+from exo_tasks import sampling
 from exo_tasks.lane_threads import LaneThread, run_here
-from exo_tasks.types import ChatMessage, SamplingParams
+from exo_tasks.toolcalls import ToolCallSplitter, held_back, template_message
+from exo_tasks.types import (
+    ChatMessage,
+    SamplingParams,
+    TokenEvent,
+)
+from exo_tasks.wire import TokenLogprob, Tool, ToolCall
 
-Sampler = Callable[[mx.array], mx.array]
 EngineFinish = Literal["stop", "length"]
 T = TypeVar("T")
 log = logging.getLogger("exo_tasks.engine")
@@ -62,6 +67,17 @@ class TokenDelta:
     completion_tokens: int  # tokens sampled so far, the EOS included (it counts to max_tokens)
     finish_reason: EngineFinish | None  # set on the job's last delta
     error: str | None = None  # set instead when the job failed: the engine dropped it
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # if the job asked for them
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls its text completed
+
+    def event(self, index: int) -> TokenEvent:
+        """This delta on the job's event stream."""
+        return TokenEvent(
+            index=index,
+            text=self.text,
+            logprobs=self.logprobs or None,
+            tool_calls=self.tool_calls or None,
+        )
 
 
 @dataclass
@@ -69,7 +85,9 @@ class _Job:
     job_id: str
     detokenizer: Any
     stop: list[str]
-    sampler: Any  # its own _GuardedSampler, or a shared one (or None: greedy)
+    sampler: Any  # its own GuardedSampler, or a shared one (or None: greedy)
+    top_logprobs: int | None  # None: no logprobs asked for
+    tools: ToolCallSplitter | None
     text: str = ""  # decoded so far, cut before a stop string once one is found
     published: int = 0  # length of the prefix of `text` already handed out
     tokens: int = 0
@@ -85,53 +103,10 @@ class _Job:
         elif final:
             end = len(self.text)
         else:
-            end = len(self.text) - self._held_back()
+            # Published text never ends in what could still grow into a stop string.
+            end = len(self.text) - held_back(self.text, self.published, self.stop)
         out, self.published = self.text[self.published : end], end
         return out, bool(hits)
-
-    def _held_back(self) -> int:
-        """Length of the longest unpublished tail that could still grow into a stop string."""
-        longest = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text) - self.published), longest, -1):
-                if self.text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
-
-
-class _GuardedSampler:
-    """A job's own sampler, kept from failing its batch: what it raises is kept (the engine
-    fails the job after the step) and its row is sampled greedily meanwhile."""
-
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler = sampler
-        self.error: str | None = None
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        try:
-            return self.sampler(logprobs)
-        except Exception as exc:  # noqa: BLE001 (reported as the job's failure)
-            self.error = self.error or f"sampling failed: {exc!r}"
-            return mx.argmax(logprobs, axis=-1)
-
-
-def _seeded_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
-    """A sampler with its own PRNG stream, so a seed gives the same text alone or in a batch.
-
-    BatchGenerator calls a job's sampler once per sampled token, on that job's row only (a
-    batch with more than one sampler is sampled row by row), so the key sequence is the job's.
-    """
-    key = mx.random.key(seed)
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, step_key = mx.random.split(key)
-        if 0.0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=step_key)
-
-    return sample
 
 
 class _Lane:
@@ -203,7 +178,8 @@ class BatchEngine:
             for submit in submits
         ]
         self._where: dict[str, tuple[_Lane, int]] = {}  # job id -> its lane and generator uid
-        self._samplers: dict[tuple[float, float], Sampler] = {}
+        self._samplers = sampling.Samplers()
+        self._vocab_size = len(tokenizer.get_vocab())
         self._largest_batch = 0
         self._prefill_chunks = 0
 
@@ -230,14 +206,30 @@ class BatchEngine:
         """The most jobs ever decoding together in one generation step."""
         return self._largest_batch
 
-    def encode(self, prompt: str | None, messages: list[ChatMessage] | None) -> list[int]:
-        """Prompt tokens for a raw prompt, or for chat messages through the chat template."""
+    @property
+    def tool_calling(self) -> bool:
+        """Whether the model's chat template takes tools (mlx-lm knows its call markers)."""
+        return bool(self._tokenizer.has_tool_calling)
+
+    def encode(
+        self,
+        prompt: str | None,
+        messages: list[ChatMessage] | None,
+        tools: list[Tool] | None = None,
+    ) -> list[int]:
+        """Prompt tokens for a raw prompt, or for chat messages (and the tools the model may
+        call) through the chat template."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if prompt is not None:
             return list(self._tokenizer.encode(prompt))
-        chat = [m.model_dump() for m in messages or []]
-        return list(self._tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+        if tools and not self.tool_calling:
+            raise ValueError("tools: the model's chat template has no tool support")
+        chat = [template_message(m) for m in messages or []]
+        specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        return list(
+            self._tokenizer.apply_chat_template(chat, tools=specs, add_generation_prompt=True)
+        )
 
     def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:
         """Queue a job; it joins the running batch on a later step."""
@@ -248,17 +240,35 @@ class BatchEngine:
             raise ValueError(f"job {job_id}: max_tokens must be > 0")
         if job_id in self._where:
             raise ValueError(f"job {job_id} is already in the engine")
+        sampling.check(params, self._vocab_size)
         lane = self._lane_for_new_job()
-        sampler = self._sampler(params)
+        sampler = self._samplers.for_job(params)
         (uid,) = lane.call(
             lane.generator.insert,
             [prompt_tokens],
             max_tokens=[params.max_tokens],
             samplers=[sampler],
+            logits_processors=[sampling.logits_processors(params)],
             stop_sequences=[self._never_stop if params.ignore_eos else self._stop_on_eos],
         )
         self._where[job_id] = (lane, uid)
-        lane.jobs[uid] = _Job(job_id, self._tokenizer.detokenizer, list(params.stop), sampler)
+        top = params.top_logprobs if params.logprobs else None
+        lane.jobs[uid] = _Job(
+            job_id,
+            self._tokenizer.detokenizer,
+            list(params.stop),
+            sampler,
+            top,
+            self._tools(params),
+        )
+
+    def _tools(self, params: SamplingParams) -> ToolCallSplitter | None:
+        """What takes the job's tool calls out of its text, if it gave tools to call."""
+        if not (params.parses_tool_calls and self.tool_calling):
+            return None
+        t = self._tokenizer
+        specs = [tool.model_dump(exclude_none=True) for tool in params.tools or []]
+        return ToolCallSplitter(t.tool_call_start, t.tool_call_end, t.tool_parser, specs)
 
     def _lane_for_new_job(self) -> _Lane:
         """The lane with the fewest jobs, of the busy ones until each holds LANE_MIN_JOBS."""
@@ -309,7 +319,7 @@ class BatchEngine:
                 log.exception("decoding a job's token failed")
                 deltas.extend(self._fail(lane, [r.uid], f"decoding failed: {exc!r}"))
         for uid, job in list(lane.jobs.items()):
-            if isinstance(job.sampler, _GuardedSampler) and job.sampler.error:
+            if isinstance(job.sampler, sampling.GuardedSampler) and job.sampler.error:
                 deltas.extend(self._fail(lane, [uid], job.sampler.error))
         return deltas
 
@@ -318,7 +328,7 @@ class BatchEngine:
         other lanes are untouched. Retrying without the jobs in prefill is not safe: a
         BatchGenerator step decodes before it prefills, so a failure in prefill has already
         consumed the decoding jobs' tokens (lost, and a job that ended there never ends). A
-        job's own sampler cannot get here (see _GuardedSampler)."""
+        job's own sampler cannot get here (see sampling.GuardedSampler)."""
         log.error(
             "a lane's step failed; its jobs fail",
             exc_info=exc,
@@ -345,17 +355,28 @@ class BatchEngine:
         """What one generation response means for its job."""
         job = lane.jobs[r.uid]
         job.tokens += 1
+        logprobs: list[TokenLogprob] = []
         if r.token not in self._eos_ids:  # EOS is never text, even with ignore_eos
             job.detokenizer.add_token(r.token)
+            if job.top_logprobs is not None:
+                logprobs.append(
+                    sampling.token_logprob(r.logprobs, r.token, job.top_logprobs, self._decode)
+                )
         if r.finish_reason is not None:
             job.detokenizer.finalize()
         text, hit_stop = job.feed(job.detokenizer.last_segment, r.finish_reason is not None)
         finish: EngineFinish | None = "stop" if hit_stop else r.finish_reason
+        calls: list[ToolCall] = []
+        if job.tools is not None:
+            text, calls = job.tools.feed(text, finish is not None)
         if finish is not None:
             del lane.jobs[r.uid], self._where[job.job_id]
             if r.finish_reason is None:  # a stop string is ours; the generator's own it dropped
                 lane.call(lane.generator.remove, [r.uid])
-        return TokenDelta(job.job_id, text, job.tokens, finish)
+        return TokenDelta(job.job_id, text, job.tokens, finish, None, logprobs, calls)
+
+    def _decode(self, token: int) -> str:
+        return str(self._tokenizer.decode([token]))
 
     def warmup(self) -> None:
         """Run one short generation so the first real job does not pay for lazy setup.
@@ -374,15 +395,3 @@ class BatchEngine:
         for lane in self._lanes:
             lane.close()
         self._where.clear()
-
-    def _sampler(self, params: SamplingParams) -> Sampler | None:
-        if params.temperature == 0.0:
-            return None  # BatchGenerator's own greedy sampler
-        if params.seed is not None:
-            return _GuardedSampler(_seeded_sampler(params.temperature, params.top_p, params.seed))
-        # BatchGenerator samples the batch in one call only when every row has the same sampler
-        # object (else row by row), so jobs with equal settings share one.
-        setting = (params.temperature, params.top_p)
-        if setting not in self._samplers:
-            self._samplers[setting] = make_sampler(params.temperature, top_p=params.top_p)
-        return self._samplers[setting]

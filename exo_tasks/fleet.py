@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exo_tasks.errors import NotFound, Unavailable
+from exo_tasks.errors import InvalidRequest, NotFound, Unavailable
 from exo_tasks.naming import host_queue, model_queue, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.types import HostState, RunnerState
@@ -55,6 +55,20 @@ class Fleet:
         hosts = [host] if host is not None else list(self.hosts)
         self._refuse_if_all_down(model, [h for h in hosts if self.serves(h, model)])
         return host_queue(host) if host is not None else model_queue(model)
+
+    def refuse_tools_unless_supported(self, model: str) -> None:
+        """A request with tools for a model whose runners all say its chat template takes none
+        (a runner not loaded yet says nothing: its own check fails the job)."""
+        known = [
+            r.tool_calling
+            for r in self.live_runners()
+            if r.model == model and r.tool_calling is not None
+        ]
+        if known and not any(known):
+            raise InvalidRequest(
+                f"model '{model}' does not support tools: its chat template has no tool calling",
+                {"field": "tools"},
+            )
 
     def _refuse_if_all_down(self, model: str, hosts: list[str]) -> None:
         runner_ids = [runner_id_for(model, h) for h in hosts]

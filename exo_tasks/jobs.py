@@ -61,6 +61,8 @@ def submit(store: Store, celery: Celery, settings: Settings, request: JobRequest
     fleet = Fleet.load(store)
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
+    if request.tools:
+        fleet.refuse_tools_unless_supported(model)
     job = JobRecord(id=uuid.uuid4().hex, model=model, request=request)
     depth = store.create_job(job, queue, settings.max_queued_jobs)
     if depth >= settings.max_queued_jobs:

@@ -43,8 +43,3 @@ def host_queue(host: str) -> str:
 def node_name(host: str) -> str:
     """The Celery node name of a host's worker."""
     return f"{NODE_PREFIX}{host}"
-
-
-def host_of_node(node: str) -> str | None:
-    """The host a Celery node name names, or None for a node that is not ours."""
-    return node.removeprefix(NODE_PREFIX) if node.startswith(NODE_PREFIX) else None

@@ -11,18 +11,30 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from exo_tasks.types import FinishReason, MaxTokens, Priority, Usage, WireModel
+from exo_tasks.types import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    MaxTokens,
+    Priority,
+    Usage,
+    WireModel,
+)
+from exo_tasks.wire import TokenLogprob, Tool, ToolCall, absent_when_none
 
-OpenAIFinishReason = Literal["stop", "length"]
+OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 # OpenAI's default for /v1/completions; chat completions take the project's default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def openai_finish_reason(reason: FinishReason | None) -> OpenAIFinishReason:
-    """`stop` only for a natural end (end of sequence or a stop string): output cut short for
-    any reason (max_tokens, a cancel, a time limit) is `length`, which clients read as
-    "truncated"."""
-    return "stop" if reason == "stop" else "length"
+def openai_finish_reason(
+    reason: FinishReason | None, tool_calls: list[ToolCall] | None = None
+) -> OpenAIFinishReason:
+    """`stop` only for a natural end (end of sequence or a stop string), `tool_calls` for one
+    after the model called tools: output cut short for any reason (max_tokens, a cancel, a
+    time limit) is `length`, which clients read as "truncated"."""
+    if reason != "stop":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 # --- requests ---
@@ -30,7 +42,14 @@ def openai_finish_reason(reason: FinishReason | None) -> OpenAIFinishReason:
 
 class StreamOptions(WireModel):
     include_usage: bool = False
-    include_obfuscation: Literal[False] = False
+    include_obfuscation: bool = False  # nothing to obfuscate: chunks are not padded
+
+
+class TextFormat(WireModel):
+    """`response_format`: only plain text (json_object and json_schema would need
+    constrained decoding)."""
+
+    type: Literal["text"]
 
 
 class OpenAIRequest(WireModel):
@@ -45,6 +64,16 @@ class OpenAIRequest(WireModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: Literal[1] = 1
+    # What clients send by default: penalties at 0, no bias, who the user is, whether to store.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as JSON keys are
+    user: str | None = None
+    store: bool | None = None  # accepted: every job is kept for EXO_JOB_TTL_S anyway
+    # mlx_lm.server's sampling extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     # The project's own job fields, as extensions (the openai client's `extra_body`).
     ignore_eos: bool | None = None
     host: str | None = None
@@ -59,16 +88,10 @@ class OpenAIRequest(WireModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    @field_validator("stream_options")
-    @classmethod
-    def _only_when_streaming(cls, value: StreamOptions, info: ValidationInfo) -> StreamOptions:
-        if not info.data.get("stream"):
-            raise ValueError("only allowed when stream is true")
-        return value
-
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        """Only a stream has a usage chunk; clients send stream_options either way."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def job_fields(self) -> dict[str, Any]:
         """The JobRequest fields this request sets (the rest keep the job defaults)."""
@@ -83,6 +106,13 @@ class OpenAIRequest(WireModel):
                 "host",
                 "priority",
                 "timeout_s",
+                "frequency_penalty",
+                "presence_penalty",
+                "logit_bias",
+                "user",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
             },
             exclude_none=True,
         )
@@ -91,9 +121,41 @@ class OpenAIRequest(WireModel):
         return fields
 
 
+def _text_of_parts(value: Any) -> Any:
+    """Content given as a list of parts, as many clients send it: the text parts joined."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"only parts of type 'text' are supported, not {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("each text part needs a string 'text'")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 class OpenAIChatMessage(WireModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # None: an assistant message that only calls tools
+    name: str | None = None  # accepted, as OpenAI does; the chat template never sees it
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value: Any) -> Any:
+        return _text_of_parts(value)
+
+    def job_message(self) -> dict[str, Any]:
+        # `developer` is OpenAI's newer name for the system role.
+        message = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content or "",
+        }
+        extra = self.model_dump(include={"tool_calls", "tool_call_id"}, exclude_none=True)
+        return message | extra
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -101,7 +163,13 @@ class ChatCompletionRequest(OpenAIRequest):
 
     messages: list[OpenAIChatMessage]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Literal[False] = False
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: TextFormat | None = None
+    tools: list[Tool] | None = None
+    # "required" or a named function would need constrained decoding.
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None  # accepted: every call the model writes is returned
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -114,11 +182,12 @@ class ChatCompletionRequest(OpenAIRequest):
         fields = super().job_fields()
         if self.max_completion_tokens is not None:
             fields["max_tokens"] = self.max_completion_tokens
-        # `developer` is OpenAI's newer name for the system role.
-        fields["messages"] = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for m in self.messages
-        ]
+        fields["messages"] = [m.job_message() for m in self.messages]
+        fields |= self.model_dump(
+            include={"logprobs", "top_logprobs", "tool_choice"}, exclude_none=True
+        )
+        if self.tools is not None:
+            fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         return fields
 
 
@@ -128,6 +197,14 @@ class CompletionRequest(OpenAIRequest):
     prompt: str | list[str]
     echo: Literal[False] = False
     best_of: Literal[1] = 1
+    # OpenAI's completions take the number of top tokens to return (true: just the token's).
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _flag(cls, value: Any) -> Any:
+        # As mlx_lm.server takes it: true for the tokens' own, false for none.
+        return {True: 0, False: None}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("prompt")
     @classmethod
@@ -140,6 +217,8 @@ class CompletionRequest(OpenAIRequest):
         fields = super().job_fields()
         fields.setdefault("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
         fields["prompt"] = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        if self.logprobs is not None:
+            fields |= {"logprobs": True, "top_logprobs": self.logprobs}
         return fields
 
 
@@ -149,7 +228,34 @@ class CompletionRequest(OpenAIRequest):
 class _Choice(BaseModel):
     index: int = 0
     finish_reason: OpenAIFinishReason | None = None
-    logprobs: None = None
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The completions API's older shape of the same numbers."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, entries: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+        """`offset`: where the first entry's token starts in the whole text."""
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry.token)
+        return cls(
+            tokens=[e.token for e in entries],
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            text_offset=offsets,
+        )
 
 
 class _Answer(BaseModel):
@@ -163,12 +269,14 @@ class _Answer(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the model only called tools, as OpenAI answers
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=absent_when_none)
 
 
 class ChatChoice(_Choice):
     message: AssistantMessage
     finish_reason: OpenAIFinishReason
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(_Answer):
@@ -177,19 +285,23 @@ class ChatCompletion(_Answer):
     usage: Usage
 
 
-def _absent_when_none(value: object) -> bool:
-    return value is None
+class DeltaToolCall(ToolCall):
+    """A tool call in a stream, whole in one chunk, with its place among the answer's calls."""
+
+    index: int
 
 
 class Delta(BaseModel):
     """A chunk's increment; unset fields are left out of the JSON, as OpenAI does."""
 
-    role: Literal["assistant"] | None = Field(None, exclude_if=_absent_when_none)
-    content: str | None = Field(None, exclude_if=_absent_when_none)
+    role: Literal["assistant"] | None = Field(None, exclude_if=absent_when_none)
+    content: str | None = Field(None, exclude_if=absent_when_none)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=absent_when_none)
 
 
 class ChatChunkChoice(_Choice):
     delta: Delta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Answer):
@@ -199,6 +311,7 @@ class ChatCompletionChunk(_Answer):
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Answer):

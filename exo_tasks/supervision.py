@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
-from exo_tasks import runner
+from exo_tasks import runner_process
 from exo_tasks.commands import StopRunner
 
 # Called with (model, serving?) when a runner stops or starts serving on purpose.
@@ -40,9 +40,9 @@ def restart_backoff_s(failures_in_a_row: int) -> float:
 
 @dataclass
 class RunnerHandle:
-    spec: runner.RunnerSpec
+    spec: runner_process.RunnerSpec
     process: BaseProcess | None = None
-    progress: runner.RunnerProgress | None = None
+    progress: runner_process.RunnerProgress | None = None
     started_monotonic: float = 0.0
     failures_in_a_row: int = 0
     restarts: int = 0

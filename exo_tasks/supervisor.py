@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
 from config.settings import Settings
-from exo_tasks import metrics, runner
+from exo_tasks import metrics, runner_process
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
@@ -65,7 +65,7 @@ class RunnerSupervisor:
         self._drain_deadline: float | None = None
         for model_path in settings.served_models:
             slug = model_slug(model_path)
-            spec = runner.RunnerSpec(
+            spec = runner_process.RunnerSpec(
                 runner_id=runner_id_for(slug, self.host),
                 host=self.host,
                 model=slug,
@@ -104,9 +104,9 @@ class RunnerSupervisor:
                 restarts=handle.restarts,
             )
         )
-        handle.progress = runner.RunnerProgress.create(_spawn)
+        handle.progress = runner_process.RunnerProgress.create(_spawn)
         process = _spawn.Process(
-            target=runner.main,
+            target=runner_process.main,
             args=(spec.model_dump_json(), handle.progress.array),
             name=f"runner {spec.runner_id}",
         )
@@ -169,7 +169,7 @@ class RunnerSupervisor:
                 self._record_failure(
                     handle,
                     f"{handle.stall}; {cause}" if handle.stall else cause,
-                    final=process.exitcode == runner.EXIT_CONFIG,
+                    final=process.exitcode == runner_process.EXIT_CONFIG,
                 )
             # Only once recorded: if Redis was down, the next watch round records it again.
             handle.process = None

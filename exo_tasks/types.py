@@ -26,6 +26,8 @@ from exo_tasks import limits
 from exo_tasks.naming import host_queue as host_queue
 from exo_tasks.naming import model_queue as model_queue
 from exo_tasks.naming import runner_id_for as runner_id_for
+from exo_tasks.wire import TokenId, TokenLogprob, Tool, ToolCall, absent_when_none
+from exo_tasks.wire import WireModel as WireModel  # importable from here, as before
 
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
@@ -37,6 +39,9 @@ SEED_LIMIT = 1 << 64
 # Every chat template marks each message (its role at least) with one token or more, so a
 # request with more messages than the prompt token cap is over it, whatever the tokenizer.
 MIN_TOKENS_PER_MESSAGE = 1
+MAX_LOGIT_BIAS = 300  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_TOOLS = 128  # as OpenAI
 
 
 def utcnow() -> datetime:
@@ -84,17 +89,11 @@ class RunnerStatus(enum.StrEnum):
         return self in (RunnerStatus.SHUTDOWN, RunnerStatus.FAILED)
 
 
-class WireModel(BaseModel):
-    """Strict, so a typo or a wrong type in a request is an error naming the field, never a
-    silent default or a coercion ("5" or 5.0 as an int, "yes" as a bool); every float finite
-    (Python's JSON parser takes NaN, Infinity and 1e999)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
 class ChatMessage(WireModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's tool calls.")
+    tool_call_id: str | None = Field(None, description="The call a `tool` message answers.")
 
 
 def _within_max_tokens_cap(value: int, info: ValidationInfo) -> int:
@@ -129,6 +128,34 @@ class SamplingParams(WireModel):
     seed: Seed | None = None
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
+    # As mlx_lm.server: filters before sampling (0: off), and logits processors per job.
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Added to the logits of these token ids."
+    )
+    repetition_penalty: float = Field(
+        0.0, ge=0.0, le=10.0, description="Multiplicative, over the last 20 tokens; 0 or 1: off."
+    )
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logprobs: bool = Field(False, description="Return each output token's log probability.")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none"] = Field(
+        "auto", description="`none`: the tools are shown to the model, its output is text."
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs to be true")
+        return value
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class JobRequest(SamplingParams):
@@ -151,6 +178,9 @@ class JobRequest(SamplingParams):
     priority: Priority = "normal"
     timeout_s: float | None = Field(
         None, description="The job's soft time limit in seconds; capped below redelivery."
+    )
+    user: str | None = Field(
+        None, max_length=256, description="Who the job is for, as the client names them; kept."
     )
 
     @field_validator("timeout_s")
@@ -195,6 +225,9 @@ class JobRequest(SamplingParams):
 class JobOutput(BaseModel):
     text: str = ""
     finish_reason: FinishReason | None = None
+    # Set only when the request asked for them (logprobs) or gave tools the model called.
+    logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Usage(BaseModel):
@@ -243,6 +276,8 @@ class JobRecord(BaseModel):
         finish_reason: FinishReason | None,
         completion_tokens: int,
         error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        tool_calls: list[ToolCall] | None = None,
     ) -> JobRecord:
         """This job in a terminal status, with usage and timings filled in."""
         now = utcnow()
@@ -259,7 +294,12 @@ class JobRecord(BaseModel):
             update={
                 "status": JobStatus(status),
                 "finished_at": now,
-                "output": JobOutput(text=text, finish_reason=finish_reason),
+                "output": JobOutput(
+                    text=text,
+                    finish_reason=finish_reason,
+                    logprobs=logprobs if self.request.logprobs else None,
+                    tool_calls=tool_calls or None,
+                ),
                 "usage": Usage(
                     prompt_tokens=prompt_tokens,
                     completion_tokens=completion_tokens,
@@ -282,6 +322,9 @@ class TokenEvent(BaseModel):
     event: Literal["token"] = "token"
     index: int
     text: str
+    # Only when the job asked for logprobs, or its output called tools: absent otherwise.
+    logprobs: list[TokenLogprob] | None = Field(None, exclude_if=absent_when_none)
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=absent_when_none)
 
 
 class DoneEvent(BaseModel):
@@ -319,6 +362,9 @@ class RunnerState(BaseModel):
     active_jobs: int = 0
     largest_batch: int = 0
     lanes: int = Field(1, description="Batches run side by side (one per CPU core on the CPU).")
+    tool_calling: bool | None = Field(
+        None, description="Whether the model's chat template takes tools (known once loaded)."
+    )
     model_loads: int = 0
     restarts: int = 0
     error: str | None = None
@@ -347,5 +393,6 @@ class HostState(BaseModel):
         description="Delivery tags of the broker messages this worker holds unacknowledged.",
     )
     models: list[str] = Field(description="Slugs of the models this host serves.")
+    concurrency: int | None = Field(None, description="Pool children: tasks it runs at once.")
     started_at: datetime
     updated_at: datetime = Field(default_factory=utcnow)

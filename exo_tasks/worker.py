@@ -1,10 +1,12 @@
 """The worker: one `celery worker` per host, with the runner supervisor as a bootstep.
 
-`celery -A exo_tasks.worker worker` and `exo-tasks worker` both load `app` from here.
+`exo-tasks worker` builds its app from the settings it is given (`main`); `celery -A
+exo_tasks.worker worker` and Flower load `app`, built from the environment on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -57,6 +59,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             pid=os.getpid(),
             incarnation=app.incarnation,
             models=supervisor.models,
+            concurrency=worker.concurrency,
             started_at=utcnow(),
         )
         self.presence = recovery.Presence(store, host, held=_held_delivery_tags)
@@ -106,16 +109,30 @@ def _held_delivery_tags() -> list[str]:
     return []
 
 
-# Bootstep order among siblings is not guaranteed; making the pool require the supervisor puts
-# the supervisor's start before the pool's and its stop (steps stop in reverse) after it.
-components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
-
-
 def create_worker_app(settings: Settings) -> ExoCelery:
+    # Bootstep order among siblings is not guaranteed; making the pool require the supervisor
+    # puts the supervisor's start before the pool's and its stop (steps stop in reverse) after
+    # it. Celery names the pool step by its class, so the requirement goes on that class.
+    if RunnerSupervisorStep not in (components.Pool.requires or ()):
+        components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
     app = ExoCelery(settings)
     app.steps["worker"].add(RunnerSupervisorStep)
     revocation.register()  # Flower's revoke and terminate cancel the job
     return app
+
+
+@functools.cache
+def default_app() -> ExoCelery:
+    """The app for `celery -A exo_tasks.worker` and Flower: built from the environment's
+    settings on first use, not at import."""
+    return create_worker_app(Settings())
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A exo_tasks.worker` and `from exo_tasks.worker import app` read `app`.
+    if name == "app":
+        return default_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @worker_process_init.connect
@@ -149,13 +166,10 @@ def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]
     ]
 
 
-def main(concurrency: int | None = None) -> None:
+def main(settings: Settings, concurrency: int | None = None) -> None:
     configure_logging(settings.log_level, host=settings.hostname, process="worker")
+    app = create_worker_app(settings)
     # Children are forked from here: keep what exists now out of the cycle collector's way so
     # copy-on-write pages stay shared.
     gc.freeze()
     app.worker_main(worker_argv(settings, concurrency))
-
-
-settings = Settings()
-app = create_worker_app(settings)

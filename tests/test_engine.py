@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from exo_tasks import engine as engine_module
+from exo_tasks import sampling
 from exo_tasks.engine import BatchEngine, TokenDelta
 from exo_tasks.types import ChatMessage, SamplingParams
 
@@ -281,11 +281,11 @@ def test_a_jobs_own_sampler_failing_fails_that_job_alone(
     monkeypatch: pytest.MonkeyPatch,
     calls: int,
 ) -> None:
-    seeded = engine_module._seeded_sampler
+    seeded = sampling._seeded_sampler
     monkeypatch.setattr(
-        engine_module,
+        sampling,
         "_seeded_sampler",
-        lambda t, p, seed: raising_after(calls, seeded(t, p, seed)) if seed == 13 else None,
+        lambda params, seed: raising_after(calls, seeded(params, seed)) if seed == 13 else None,
     )
     run = Run(engine)
     for i, prompt in enumerate(PROMPTS[:3]):
@@ -304,9 +304,9 @@ def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
     loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        engine_module,
+        sampling,
         "make_sampler",
-        lambda t, top_p: raising_after(2, make_sampler(t, top_p=top_p)),
+        lambda t, **kwargs: raising_after(2, make_sampler(t, **kwargs)),
     )
     engine = BatchEngine(*loaded, lanes=2)
     try:

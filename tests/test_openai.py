@@ -191,20 +191,21 @@ def test_an_unknown_model_is_404_in_openai_shape(stack: Stack, client: openai.Op
 
 BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {"n": 2}, "n", "invalid_value"),
+    # The tiny model's chat template takes no tools.
     (
         "chat",
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         "tools",
-        "unsupported_parameter",
+        "invalid_request",
     ),
-    ("chat", {"logprobs": True}, "logprobs", "invalid_value"),
-    ("chat", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
-    (
-        "chat",
-        {"response_format": {"type": "json_object"}},
-        "response_format",
-        "unsupported_parameter",
-    ),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ("chat", {"logit_bias": {"x": 1}}, "logit_bias.x.[key]", "invalid_value"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias.5", "invalid_value"),
+    ("chat", {"top_k": -1}, "top_k", "invalid_value"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format.type", "invalid_value"),
     ("chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
     ("chat", {"temperature": 2.5}, "temperature", "invalid_value"),
     ("chat", {"top_p": 0}, "top_p", "invalid_value"),
@@ -216,18 +217,23 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
         "max_completion_tokens",
         "invalid_value",
     ),
-    ("chat", {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "invalid_value"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "invalid_value"),
     (
         "chat",
-        {"messages": [{"role": "user", "content": "x", "name": "me"}]},
-        "messages.0.name",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content",
+        "invalid_value",
+    ),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "x", "audio": {}}]},
+        "messages.0.audio",
         "unsupported_parameter",
     ),
     ("completions", {"prompt": ["a", "b"]}, "prompt", "invalid_value"),
     ("completions", {"echo": True}, "echo", "invalid_value"),
     ("completions", {"suffix": "!"}, "suffix", "unsupported_parameter"),
-    ("completions", {"logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ("completions", {"logprobs": 21}, "logprobs", "invalid_value"),
 ]
 
 

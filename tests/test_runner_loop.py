@@ -11,9 +11,18 @@ import pytest
 
 from exo_tasks import runner as runner_module
 from exo_tasks.commands import StopRunner, SubmitJob
-from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec
+from exo_tasks.engine import EngineFinish, TokenDelta
+from exo_tasks.runner import Runner
+from exo_tasks.runner_process import RunnerProgress, RunnerSpec
 from exo_tasks.store import Store
-from exo_tasks.types import JobRecord, JobRequest, JobStatus, RunnerStatus, SamplingParams
+from exo_tasks.types import (
+    JobRecord,
+    JobRequest,
+    JobStatus,
+    RunnerStatus,
+    SamplingParams,
+    TokenEvent,
+)
 
 
 class FakeStore:
@@ -21,25 +30,61 @@ class FakeStore:
 
     def __init__(self) -> None:
         self.published: list[RunnerStatus] = []
+        self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
 
     def publish_runner(self, state: Any, *, status_changed: bool = True) -> None:
         self.published.append(state.status)
 
+    def write_step(
+        self,
+        runner_id: str,
+        tokens: list[tuple[str, TokenEvent]],
+        observations: Any,
+        endings: list[JobRecord],
+    ) -> None:
+        self.steps.append((list(tokens), list(endings)))
+
 
 class FakeEngine:
-    largest_batch = 0
+    """An engine that generates one token "x" per step for each job, up to its max_tokens."""
+
+    lanes = 1
+    prefill_chunks = 0
+    tool_calling = False
 
     def __init__(self) -> None:
-        self.jobs: list[str] = []
+        self.jobs: dict[str, int] = {}  # job id -> its max_tokens
+        self.sampled: dict[str, int] = {}
+        self.largest_batch = 0
+        self.warm = False
+        self.closed = False
 
-    def encode(self, prompt: str | None, messages: Any) -> list[int]:
+    def encode(self, prompt: str | None, messages: Any, tools: Any = None) -> list[int]:
         return [1, 2, 3]
 
     def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:
-        self.jobs.append(job_id)
+        self.jobs[job_id], self.sampled[job_id] = params.max_tokens, 0
 
     def remove(self, job_id: str) -> None:
-        self.jobs.remove(job_id)
+        del self.jobs[job_id]
+
+    def step(self) -> list[TokenDelta]:
+        self.largest_batch = max(self.largest_batch, len(self.jobs))
+        deltas = []
+        for job_id, max_tokens in list(self.jobs.items()):
+            self.sampled[job_id] += 1
+            done = self.sampled[job_id] == max_tokens
+            if done:
+                del self.jobs[job_id]
+            finish: EngineFinish | None = "length" if done else None
+            deltas.append(TokenDelta(job_id, "x", self.sampled[job_id], finish))
+        return deltas
+
+    def warmup(self) -> None:
+        self.warm = True
+
+    def close(self) -> None:
+        self.closed = True
 
 
 @pytest.fixture
@@ -54,13 +99,18 @@ def runner() -> Runner:
         max_prompt_tokens=100,
         prefill_batch_size=3,
     )
-    unit = Runner(spec, RunnerProgress([0.0, 0.0, 0.0]), cast(Store, FakeStore()))
-    unit.engine = FakeEngine()  # type: ignore[assignment]  # no model: load() is not run
+    store = cast(Store, FakeStore())
+    unit = Runner(spec, RunnerProgress([0.0, 0.0, 0.0]), store, lambda _: FakeEngine())
+    unit.load()
     return unit
 
 
 def store_of(runner: Runner) -> FakeStore:
     return cast(FakeStore, runner.store)
+
+
+def engine_of(runner: Runner) -> FakeEngine:
+    return cast(FakeEngine, runner.engine)
 
 
 def submit(soft_in_s: float = 30.0, hard_in_s: float = 60.0) -> SubmitJob:
@@ -73,10 +123,12 @@ def submit(soft_in_s: float = 30.0, hard_in_s: float = 60.0) -> SubmitJob:
 def test_a_stop_under_way_only_gets_stricter(runner: Runner) -> None:
     runner._begin_stop(StopRunner(mode="warm", timeout_s=30, requeue=True))
     first_deadline = runner.stop_deadline
-    assert store_of(runner).published == [RunnerStatus.SHUTTING_DOWN]
+    published = store_of(runner).published
+    assert published[-1] == RunnerStatus.SHUTTING_DOWN
+    count = len(published)
 
     runner._begin_stop(StopRunner(mode="warm", timeout_s=30, requeue=True))
-    assert len(store_of(runner).published) == 1  # the same stop again: nothing published
+    assert len(published) == count  # the same stop again: nothing published
 
     runner._begin_stop(StopRunner(mode="warm", timeout_s=300))  # later, not requeueing
     assert runner.stop_deadline == first_deadline
@@ -95,13 +147,13 @@ def test_jobs_past_their_limits_end_by_the_runners_clock(runner: Runner) -> None
 
     runner._drop_expired()
 
-    ended = {job.id: job for job in runner.unsent_endings}
+    ended = {job.id: job for job in runner.outbox.endings}
     assert set(runner.active) == {fresh.job.id}
     assert ended[soft.job.id].status == JobStatus.TIMED_OUT
     assert ended[soft.job.id].output.finish_reason == "time_limit"
     assert ended[hard.job.id].status == JobStatus.FAILED
     assert ended[hard.job.id].error == "hard time limit exceeded"
-    assert cast(FakeEngine, runner.engine).jobs == [fresh.job.id]
+    assert list(engine_of(runner).jobs) == [fresh.job.id]
 
 
 def test_a_burst_is_gathered_up_to_a_prefill_batch(
@@ -129,3 +181,47 @@ def test_a_lone_job_is_not_held_back(runner: Runner) -> None:
     started = time.monotonic()
     runner._gather_burst(decoding=1)  # nothing more comes: no wait beyond one gap
     assert time.monotonic() - started < runner_module.GATHER_GAP_S + 0.05
+
+
+def test_the_runner_loads_its_engine_from_the_factory_and_frees_it(runner: Runner) -> None:
+    engine = engine_of(runner)
+    assert engine.warm
+    assert store_of(runner).published == [RunnerStatus.LOADED, RunnerStatus.WARMING_UP]
+    runner.unload()
+    assert engine.closed and runner.engine is None
+
+
+def test_a_step_streams_tokens_and_ends_jobs_through_the_outbox(runner: Runner) -> None:
+    short = submit()
+    short.job.request.max_tokens = 1
+    long = submit()
+    runner._admit(short)
+    runner._admit(long)
+
+    runner._step()  # one token each; the short job is done
+
+    tokens, endings = store_of(runner).steps[-1]
+    assert [(job_id, token.text) for job_id, token in tokens] == [
+        (short.job.id, "x"),
+        (long.job.id, "x"),
+    ]
+    assert [(job.id, job.status, job.output.text) for job in endings] == [
+        (short.job.id, JobStatus.SUCCEEDED, "x")
+    ]
+    assert endings[0].output.finish_reason == "length" and endings[0].usage.completion_tokens == 1
+    assert set(runner.active) == {long.job.id}
+    # The runner's state follows its jobs: Running, with the largest batch it stepped.
+    assert store_of(runner).published[-1] == RunnerStatus.RUNNING
+    assert runner.outbox.state.largest_batch == 2 and runner.outbox.state.active_jobs == 1
+
+
+def test_a_stop_after_another_keeps_the_sooner_deadline_and_requeue() -> None:
+    warm = StopRunner(mode="warm", timeout_s=30, requeue=True)
+    first = warm.after(None, 0.0, now=100.0)
+    assert first == (warm, 130.0)
+
+    later_warm = StopRunner(mode="warm", timeout_s=300).after(*first, now=110.0)
+    assert later_warm == (StopRunner(mode="warm", timeout_s=300, requeue=True), 130.0)
+
+    hard = StopRunner(mode="hard").after(*first, now=110.0)
+    assert hard == (StopRunner(mode="hard", requeue=True), 110.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 
-from exo_tasks.runner import RunnerProgress
+from exo_tasks.runner_process import RunnerProgress
 from exo_tasks.supervision import exit_cause, restart_backoff_s
 
 

@@ -9,41 +9,29 @@ from exo_tasks.api.http import json_body
 from exo_tasks.api.models import HostInfo, HostShutdownBody, HostShutdownReply
 from exo_tasks.errors import NotFound
 from exo_tasks.fleet import Fleet
-from exo_tasks.naming import host_of_node, host_queue, model_queue, node_name
+from exo_tasks.naming import host_queue, model_queue, node_name
 
 bp = Blueprint("hosts", __name__, url_prefix="/v1/hosts")
 REPLY_TIMEOUT_S = 3.0
-INSPECT_TIMEOUT_S = 1.0
 
 
 @bp.get("")
 def list_hosts() -> Response:
-    """The workers that answer Celery's inspect, with their runners and queue depths."""
-    context = ctx()
-    fleet = Fleet.load(context.store)
-    # Stop waiting as soon as every host with a heartbeat has answered.
-    inspect = context.celery.control.inspect(
-        timeout=INSPECT_TIMEOUT_S, limit=len(fleet.hosts) or None
-    )
-    stats = inspect.stats() or {}
+    """The live workers (the heartbeats routing uses too), with their runners and queue depths."""
+    store = ctx().store
+    fleet = Fleet.load(store)
     hosts: list[HostInfo] = []
-    for node, info in sorted(stats.items()):
-        name = host_of_node(node)
-        if name is None:
-            continue
-        runners = fleet.host_runners(name)
-        live = fleet.hosts.get(name)
-        models = live.models if live is not None else [r.model for r in runners]
-        queues = [host_queue(name)] + [model_queue(m) for m in models]
+    for name, live in sorted(fleet.hosts.items()):
+        queues = [host_queue(name)] + [model_queue(m) for m in live.models]
         hosts.append(
             HostInfo(
                 name=name,
-                node=node,
-                pid=info["pid"],
-                concurrency=info.get("pool", {}).get("max-concurrency"),
-                models=models,
-                runners=runners,
-                queues={q: context.store.queue_depth(q) for q in queues},
+                node=node_name(name),
+                pid=live.pid,
+                concurrency=live.concurrency,
+                models=live.models,
+                runners=fleet.host_runners(name),
+                queues={q: store.queue_depth(q) for q in queues},
             )
         )
     return jsonify([h.model_dump(mode="json") for h in hosts])

@@ -70,7 +70,7 @@ class RunnerDetail(RunnerState):
 
 
 class HostInfo(BaseModel):
-    """GET /v1/hosts: a live worker, as it answers Celery's inspect, with its runners and the
+    """GET /v1/hosts: a live worker, as its heartbeat announces it, with its runners and the
     depth of each queue it consumes."""
 
     name: str
@@ -89,12 +89,13 @@ class JobOptions(SamplingParams):
     host: str | None = None
     priority: Priority = "normal"
     timeout_s: float | None = None
+    user: str | None = None
 
 
 class JobSummary(JobRecord):
-    """A job without its prompt or messages, its output text cut to SUMMARY_TEXT_CHARS: what
-    the job list and a submission answer, so neither sends megabytes back (GET /v1/jobs/<id>
-    has it all)."""
+    """A job without its prompt or messages, its output text cut to SUMMARY_TEXT_CHARS and
+    without logprobs: what the job list and a submission answer, so neither sends megabytes
+    back (GET /v1/jobs/<id> has it all)."""
 
     request: JobOptions  # type: ignore[assignment]  # a summary's request has no prompt
 
@@ -103,5 +104,7 @@ class JobSummary(JobRecord):
         options = JobOptions.model_construct(
             **job.request.model_dump(exclude={"prompt", "messages"})
         )
-        output = job.output.model_copy(update={"text": job.output.text[:SUMMARY_TEXT_CHARS]})
+        # Log probabilities, one record per token, are left to GET /v1/jobs/<id> as well.
+        cut = {"text": job.output.text[:SUMMARY_TEXT_CHARS], "logprobs": None}
+        output = job.output.model_copy(update=cut)
         return cls.model_construct(**(dict(job) | {"request": options, "output": output}))

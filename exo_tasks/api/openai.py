@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flask import Blueprint, Response, jsonify
@@ -30,10 +31,13 @@ from exo_tasks.openai_types import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
+    DeltaToolCall,
     ModelCard,
     ModelList,
     OpenAIFinishReason,
@@ -55,6 +59,18 @@ WAIT_SLACK_S = 10.0
 DONE = "data: [DONE]\n\n"
 
 
+@dataclass
+class Sent:
+    """What a stream has sent so far: where the next token's text and tool call start."""
+
+    chars: int = 0
+    calls: int = 0
+
+    def add(self, token: TokenEvent) -> None:
+        self.chars += len(token.text)
+        self.calls += len(token.tool_calls or [])
+
+
 class Renderer(Protocol):
     """How one route shows a job: whole, or as the chunks of a stream."""
 
@@ -63,7 +79,11 @@ class Renderer(Protocol):
     def opening(self, job: JobRecord) -> list[BaseModel]: ...
 
     def chunk(
-        self, job: JobRecord, text: str | None, finish: OpenAIFinishReason | None
+        self,
+        job: JobRecord,
+        token: TokenEvent | None,
+        finish: OpenAIFinishReason | None,
+        sent: Sent,
     ) -> BaseModel: ...
 
     def usage_chunk(self, job: JobRecord) -> BaseModel: ...
@@ -80,9 +100,14 @@ def _header(job: JobRecord, prefix: str) -> dict[str, Any]:
 
 class ChatRenderer:
     def whole(self, job: JobRecord) -> ChatCompletion:
+        output = job.output
+        calls = output.tool_calls
         choice = ChatChoice(
-            message=AssistantMessage(content=job.output.text),
-            finish_reason=openai_finish_reason(job.output.finish_reason),
+            message=AssistantMessage(
+                content=output.text or (None if calls else ""), tool_calls=calls
+            ),
+            finish_reason=openai_finish_reason(output.finish_reason, calls),
+            logprobs=ChatLogprobs(content=output.logprobs) if output.logprobs is not None else None,
         )
         return ChatCompletion(**_header(job, "chatcmpl"), choices=[choice], usage=job.usage)
 
@@ -91,9 +116,21 @@ class ChatRenderer:
         return [ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])]
 
     def chunk(
-        self, job: JobRecord, text: str | None, finish: OpenAIFinishReason | None
+        self,
+        job: JobRecord,
+        token: TokenEvent | None,
+        finish: OpenAIFinishReason | None,
+        sent: Sent,
     ) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=Delta(content=text), finish_reason=finish)
+        delta, logprobs = Delta(), None
+        if token is not None:
+            calls = [
+                DeltaToolCall(index=sent.calls + i, **dict(call))
+                for i, call in enumerate(token.tool_calls or [])
+            ]
+            delta = Delta(content=token.text or None, tool_calls=calls or None)
+            logprobs = ChatLogprobs(content=token.logprobs) if token.logprobs else None
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
         return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])
 
     def usage_chunk(self, job: JobRecord) -> ChatCompletionChunk:
@@ -102,17 +139,31 @@ class ChatRenderer:
 
 class TextRenderer:
     def whole(self, job: JobRecord) -> Completion:
-        finish = openai_finish_reason(job.output.finish_reason)
-        choice = CompletionChoice(text=job.output.text, finish_reason=finish)
+        output = job.output
+        logprobs = CompletionLogprobs.of(output.logprobs) if output.logprobs is not None else None
+        choice = CompletionChoice(
+            text=output.text,
+            finish_reason=openai_finish_reason(output.finish_reason),
+            logprobs=logprobs,
+        )
         return Completion(**_header(job, "cmpl"), choices=[choice], usage=job.usage)
 
     def opening(self, job: JobRecord) -> list[BaseModel]:
         return []
 
     def chunk(
-        self, job: JobRecord, text: str | None, finish: OpenAIFinishReason | None
+        self,
+        job: JobRecord,
+        token: TokenEvent | None,
+        finish: OpenAIFinishReason | None,
+        sent: Sent,
     ) -> Completion:
-        choice = CompletionChoice(text=text or "", finish_reason=finish)
+        text, logprobs = "", None
+        if token is not None:
+            text = token.text
+            if token.logprobs:
+                logprobs = CompletionLogprobs.of(token.logprobs, sent.chars)
+        choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
         return Completion(**_header(job, "cmpl"), choices=[choice])
 
     def usage_chunk(self, job: JobRecord) -> Completion:
@@ -184,7 +235,7 @@ def _stream(
     queued job, a long prompt), then `data: [DONE]`. If the client goes away, the next write
     fails, the server closes this generator, and the job is cancelled."""
     ended = False
-    sent_text = False
+    sent = Sent()
     try:
         for opening in renderer.opening(job):
             yield _data(opening)
@@ -194,9 +245,9 @@ def _stream(
                 continue
             event = item[1]
             if isinstance(event, TokenEvent):
-                sent_text = True
-                yield _data(renderer.chunk(job, event.text, None))
-            elif isinstance(event, RequeuedEvent) and sent_text:
+                yield _data(renderer.chunk(job, event, None, sent))
+                sent.add(event)
+            elif isinstance(event, RequeuedEvent) and sent.chars + sent.calls:
                 # The next attempt starts over, and text already sent cannot be taken back:
                 # end this stream (and, below, the job nobody will read).
                 message = f"job {job.id} was requeued after its worker stopped; retry"
@@ -219,7 +270,8 @@ def _ending(
         failure = _failure(final)
         yield _data(openai_error_body(failure.status, failure.message, code=failure.type))
         return
-    yield _data(renderer.chunk(job, None, openai_finish_reason(final.output.finish_reason)))
+    finish = openai_finish_reason(final.output.finish_reason, final.output.tool_calls)
+    yield _data(renderer.chunk(job, None, finish, Sent()))
     if include_usage:
         yield _data(renderer.usage_chunk(final))
 

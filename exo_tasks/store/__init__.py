@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import redis
 
-from exo_tasks.store.client import connect, is_out_of_memory
+from exo_tasks.store.client import connect, is_out_of_memory, redis_waits
 from exo_tasks.store.hosts import HostRecords
 from exo_tasks.store.jobs import JobWhereabouts
 from exo_tasks.store.keys import (
@@ -36,6 +36,7 @@ __all__ = [
     "host_key",
     "is_out_of_memory",
     "job_key",
+    "redis_waits",
     "runner_key",
 ]
 

@@ -19,10 +19,11 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exo_tasks import engine as engine_module
+from exo_tasks import sampling
 from exo_tasks.commands import SubmitJob
-from exo_tasks.runner import Runner, RunnerProgress, RunnerSpec, redis_waits
-from exo_tasks.store import events_key, job_key, runner_key
+from exo_tasks.runner import Runner
+from exo_tasks.runner_process import RunnerProgress, RunnerSpec
+from exo_tasks.store import events_key, job_key, redis_waits, runner_key
 from exo_tasks.types import HostState, JobRecord, JobRequest, JobStatus, utcnow
 from tests.conftest import Stack, runner_state
 from tests.support.api import Api, api_settings, serving
@@ -358,18 +359,18 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
     """seed 2^64 made mx.random.key raise TypeError in admission, which killed the batching
     loop and every job in it. Validation refuses such a seed now; here seed 13 stands for
     whatever input validation may still let through to MLX."""
-    seeded = engine_module._seeded_sampler
+    seeded = sampling._seeded_sampler
     monkeypatch.setattr(
-        engine_module,
+        sampling,
         "_seeded_sampler",
-        lambda t, p, seed: seeded(t, p, 2**64 if seed == 13 else seed),
+        lambda params, seed: seeded(params, 2**64 if seed == 13 else seed),
     )
     store = runner.store
     beside = admit(runner, JobRequest(prompt="beside", max_tokens=30, ignore_eos=True))
     runner._step()
     bad = admit(runner, JobRequest(prompt="x", temperature=0.7, seed=13))
     # Exactly the cap, and one token over it (one token per character for this tokenizer).
-    at_cap = admit(runner, JobRequest(prompt="c" * (40 - len(runner.engine.encode("", None)))))
+    at_cap = admit(runner, JobRequest(prompt="c" * (40 - len(runner.loaded.encode("", None)))))
     over = admit(runner, JobRequest(prompt="c" * 41, max_tokens=2))
     while runner.active:
         runner._step()

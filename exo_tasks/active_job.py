@@ -1,0 +1,96 @@
+"""A job in a runner's batch: its record, its time limits by the runner's clock, and what it has
+generated so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from exo_tasks import metrics
+from exo_tasks.outbox import Outbox
+from exo_tasks.types import FinishReason, JobRecord, JobStatus, TokenEvent, utcnow
+from exo_tasks.wire import TokenLogprob, ToolCall
+
+if TYPE_CHECKING:  # the engine imports MLX
+    from exo_tasks.engine import TokenDelta
+
+# How a job ends: (status, finish reason, error).
+Ending = tuple[JobStatus, FinishReason | None, str | None]
+Expiry = tuple[JobStatus, FinishReason, str | None]  # past a time limit
+HARD_LIMIT: Expiry = (JobStatus.FAILED, "time_limit", "hard time limit exceeded")
+SOFT_LIMIT: Expiry = (JobStatus.TIMED_OUT, "time_limit", None)
+
+
+@dataclass
+class ActiveJob:
+    record: JobRecord
+    soft_deadline: float  # time.time()
+    deadline: float
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    last_token_at: datetime | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def awaiting_first_token(self) -> bool:
+        return self.record.first_token_at is None
+
+    def expiry(self, now: float) -> Expiry | None:
+        """How the job ends if it is past a time limit at `now`, else None."""
+        if now > self.deadline:
+            return HARD_LIMIT
+        if now > self.soft_deadline:
+            return SOFT_LIMIT
+        return None
+
+    def take(self, delta: TokenDelta, now: datetime, outbox: Outbox) -> TokenEvent | None:
+        """Count the job's step (its latency metrics too); the event for its new text, if any."""
+        if self.record.first_token_at is None:
+            self.record.first_token_at = now
+            outbox.observe(metrics.TIME_TO_FIRST_TOKEN, now - self.record.created_at)
+        elif self.last_token_at is not None and delta.completion_tokens > self.completion_tokens:
+            new = delta.completion_tokens - self.completion_tokens
+            outbox.observe(metrics.INTER_TOKEN_LATENCY, (now - self.last_token_at) / new, new)
+        self.last_token_at = now
+        self.completion_tokens = delta.completion_tokens
+        self.logprobs += delta.logprobs
+        self.tool_calls += delta.tool_calls
+        if not (delta.text or delta.logprobs or delta.tool_calls):
+            return None
+        self.text.append(delta.text)
+        return delta.event(len(self.text) - 1)
+
+    def ended(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> JobRecord:
+        return self.record.ended(
+            status,
+            text="".join(self.text),
+            finish_reason=reason,
+            completion_tokens=self.completion_tokens,
+            error=error,
+            logprobs=self.logprobs,
+            tool_calls=self.tool_calls,
+        )
+
+
+def take_step(
+    active: dict[str, ActiveJob], deltas: list[TokenDelta], outbox: Outbox
+) -> list[tuple[str, Ending]]:
+    """Count one engine step to the jobs in it, their new text into the outbox; the jobs the
+    step ended (the engine has already taken them out), with how."""
+    endings: list[tuple[str, Ending]] = []
+    now = utcnow()
+    for delta in deltas:
+        job = active.get(delta.job_id)
+        if job is None:
+            continue
+        if delta.error is not None:  # the engine took the job out: its step failed
+            endings.append((delta.job_id, (JobStatus.FAILED, None, delta.error)))
+            continue
+        token = job.take(delta, now, outbox)
+        if token is not None:
+            outbox.tokens.append((delta.job_id, token))
+        if delta.finish_reason is not None:
+            endings.append((delta.job_id, (JobStatus.SUCCEEDED, delta.finish_reason, None)))
+    return endings

@@ -1,0 +1,109 @@
+"""What a runner owes Redis: its jobs' tokens and endings, the metrics observed with them, and
+its own published state. Kept here while Redis is down and delivered in order once it is back,
+so the jobs' streams stay complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NamedTuple, Protocol
+
+import redis
+
+from exo_tasks import metrics
+from exo_tasks.types import JobRecord, RunnerState, RunnerStatus, TokenEvent, utcnow
+
+log = logging.getLogger("exo_tasks.runner")
+# Publish a change in the runner's jobs with the next write, or after this long: a job that
+# starts and ends in between costs no write at all.
+STATE_DELAY_S = 0.05
+
+
+class OutboxStore(Protocol):
+    """The store's writes that a runner makes (`exo_tasks.store.Store`)."""
+
+    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None: ...
+    def write_step(
+        self,
+        runner_id: str,
+        tokens: list[tuple[str, TokenEvent]],
+        observations: metrics.Observations,
+        endings: list[JobRecord],
+    ) -> None: ...
+
+
+class Occupancy(NamedTuple):
+    """The runner's jobs as its published state shows them."""
+
+    active_jobs: int
+    largest_batch: int
+
+
+class Outbox:
+    def __init__(
+        self, store: OutboxStore, state: RunnerState, occupancy: Callable[[], Occupancy]
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.occupancy = occupancy
+        self.tokens: list[tuple[str, TokenEvent]] = []
+        self.endings: list[JobRecord] = []
+        self.observations = metrics.Observations()
+        self.state_unpublished = False
+        self.state_due: float | None = None  # when the jobs' comings and goings get published
+
+    def amend(self, **changes: Any) -> None:
+        """Change the runner's state without publishing it (the next publish carries it)."""
+        self.state = self.state.model_copy(update=changes)
+
+    def observe(self, metric: metrics.Metric, elapsed: timedelta, count: int = 1) -> None:
+        self.observations.observe(metric, elapsed.total_seconds(), count, model=self.state.model)
+
+    def publish(self, status: RunnerStatus | None = None, error: str | None = None) -> None:
+        changed = status is not None and status != self.state.status
+        occupancy = self.occupancy()
+        update: dict[str, Any] = {"updated_at": utcnow(), **occupancy._asdict()}
+        if status is not None:
+            update.update(status=status, error=error)
+        self.amend(**update)
+        try:
+            self.store.publish_runner(self.state, status_changed=changed)
+            self.state_unpublished = False
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.state_unpublished = True  # published again once Redis is back
+        if changed:
+            log.info("runner status %s", self.state.status, extra={"runner_status": status})
+
+    def jobs_changed(self) -> None:
+        """Publish Running/Ready and active_jobs with the next tokens or endings, after them (the
+        client waiting on them does not wait for this write too), or after STATE_DELAY_S."""
+        if self.state_due is None:
+            self.state_due = time.monotonic() + STATE_DELAY_S
+
+    def flush(self, *, stopping: bool) -> None:
+        """Send the tokens and job endings not yet in Redis, with the metrics observed since the
+        last flush; then the runner's state if jobs came or went. `stopping`: the stop's status
+        stands, whatever the jobs."""
+        wrote = bool(self.tokens or self.endings)
+        if wrote:
+            self.store.write_step(self.state.id, self.tokens, self.observations, self.endings)
+            self.tokens, self.endings = [], []
+        due = self.state_due is not None and (wrote or time.monotonic() >= self.state_due)
+        if due or self.state_unpublished:
+            self._publish_jobs(stopping)
+
+    def _publish_jobs(self, stopping: bool) -> None:
+        self.state_due = None
+        occupancy = self.occupancy()
+        status = self.state.status
+        if not stopping:
+            status = RunnerStatus.RUNNING if occupancy.active_jobs else RunnerStatus.READY
+        unchanged = status == self.state.status and occupancy == (
+            self.state.active_jobs,
+            self.state.largest_batch,
+        )
+        if not unchanged or self.state_unpublished:
+            self.publish(status)

@@ -1,0 +1,166 @@
+"""A runner's process: what the supervisor hands it (the spec), what the two share (the progress
+array), how it builds its engine, how it exits, and its entry point. The batching loop itself is
+`exo_tasks.runner`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import BaseModel
+
+from exo_tasks.logs import configure_logging
+
+if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
+    from exo_tasks.engine import TokenDelta
+    from exo_tasks.types import ChatMessage, SamplingParams
+    from exo_tasks.wire import Tool
+
+log = logging.getLogger("exo_tasks.runner")
+# Exit code of a runner that cannot work as configured: the supervisor does not restart it.
+EXIT_CONFIG = 78  # EX_CONFIG
+
+
+class ConfigError(Exception):
+    """The runner's configuration is wrong: restarting it would fail the same way."""
+
+
+class RunnerSpec(BaseModel):
+    """Everything a runner process needs, handed over by the supervisor at spawn."""
+
+    runner_id: str
+    host: str
+    model: str
+    model_path: str
+    redis_url: str
+    job_ttl_s: int
+    max_prompt_tokens: int
+    restarts: int = 0
+    completion_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 256
+    lanes: int | None = None  # None: the engine's default for the device
+    log_level: str = "INFO"
+
+
+class RunnerProgress:
+    """Shared memory with the supervisor, so it can tell a hung runner from a busy one:
+    [time of the last progress (monotonic), active jobs, jobs still waiting for a first token]."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    @classmethod
+    def create(cls, context: Any) -> RunnerProgress:
+        # No lock: a runner SIGKILLed while holding it would leave the supervisor blocked.
+        return cls(context.Array("d", 3, lock=False))
+
+    def record(self, *, active: int, awaiting_first_token: int, progressed: bool) -> None:
+        if progressed:
+            self.array[0] = time.monotonic()
+        self.array[1], self.array[2] = active, awaiting_first_token
+
+    def stall(self, prefill_timeout_s: float, decode_timeout_s: float) -> str | None:
+        """Why the runner counts as hung, or None. Idle is never a stall."""
+        last, active, awaiting = self.array[0], self.array[1], self.array[2]
+        if active == 0:
+            return None
+        silent_s = time.monotonic() - last
+        if awaiting and silent_s > prefill_timeout_s:
+            return f"stalled in prefill (no first token for {silent_s:.1f}s)"
+        if not awaiting and silent_s > decode_timeout_s:
+            return f"stalled in decode (no token for {silent_s:.1f}s)"
+        return None
+
+
+class Engine(Protocol):
+    """What the runner's loop needs of a batching engine (`exo_tasks.engine.BatchEngine`)."""
+
+    @property
+    def lanes(self) -> int: ...
+    @property
+    def largest_batch(self) -> int: ...
+    @property
+    def prefill_chunks(self) -> int: ...
+    @property
+    def tool_calling(self) -> bool: ...
+    def encode(
+        self,
+        prompt: str | None,
+        messages: list[ChatMessage] | None,
+        tools: list[Tool] | None = None,
+    ) -> list[int]: ...
+    def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None: ...
+    def remove(self, job_id: str) -> None: ...
+    def step(self) -> list[TokenDelta]: ...
+    def warmup(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def check_model_path(model_path: str) -> None:
+    """A model given as a local path must exist; anything else is a hub id for mlx_lm."""
+    path = Path(model_path).expanduser()
+    local = (
+        path.is_absolute()
+        or model_path.startswith(("./", "../", "~"))
+        or (len(path.parts) > 1 and path.parent.is_dir())
+    )
+    if local and not path.exists():
+        raise ConfigError(f"model path '{model_path}' does not exist")
+
+
+def load_engine(spec: RunnerSpec) -> Engine:
+    """Load the spec's model into a batching engine (not yet warmed up)."""
+    import mlx_lm
+
+    from exo_tasks.engine import BatchEngine
+
+    check_model_path(spec.model_path)
+    loaded = mlx_lm.load(spec.model_path)
+    return BatchEngine(
+        loaded[0],
+        loaded[1],
+        completion_batch_size=spec.completion_batch_size,
+        prefill_batch_size=spec.prefill_batch_size,
+        prefill_step_size=spec.prefill_step_size,
+        lanes=spec.lanes,
+    )
+
+
+def main(spec_json: str, progress_array: Any) -> None:
+    """Entry point of the spawned runner process."""
+    from exo_tasks.runner import Runner  # the loop's module imports this one
+
+    spec = RunnerSpec.model_validate_json(spec_json)
+    # Our own process group: a signal sent to the worker's group (honcho, a terminal's Ctrl-C)
+    # must not reach the runner; the supervisor decides when it stops.
+    os.setpgid(0, 0)
+    configure_logging(spec.log_level, runner=spec.runner_id, host=spec.host)
+    _exit_with_parent()
+    runner = Runner(spec, RunnerProgress(progress_array))
+    signal.signal(signal.SIGTERM, lambda *_: runner.on_sigterm())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(runner.run())
+
+
+def _exit_with_parent() -> None:
+    """Leave at once if the worker dies (SIGKILL included), so no model stays resident."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        log.error("worker process %s is gone; runner exits", parent.pid)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
