@@ -120,10 +120,8 @@ def test_submit_takes_the_sampling_options_with_the_api_defaults(stack: Stack) -
     )
     assert result.returncode == 0, result.stderr
     request = job_request(stack, result)
-    assert request["messages"] == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "hi"},
-    ]
+    messages = [(m["role"], m["content"]) for m in request["messages"]]
+    assert messages == [("system", "be brief"), ("user", "hi")]
     assert (request["temperature"], request["top_p"], request["seed"]) == (0.7, 0.9, 7)
     assert request["stop"] == ["zz", "yy"] and request["priority"] == "high"
     assert request["ignore_eos"] is True and request["timeout_s"] == 30
