@@ -65,6 +65,13 @@ class Settings(BaseSettings):
         description="Prompt tokens a runner prefills per step; each step is progress for the "
         "prefill stall limit, so a long prompt is work, not a hang.",
     )
+    runner_idle_unload_s: float | None = Field(
+        None,
+        ge=0,
+        description="A runner idle this long unloads its model (its process exits, freeing the "
+        "memory); the next job for the model loads it again. Unset: never. A job's keep_alive "
+        "overrides it for the idle time after that job.",
+    )
     runner_lanes: int | None = Field(
         None,
         ge=1,

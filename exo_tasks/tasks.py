@@ -30,10 +30,11 @@ from exo_tasks.commands import (
     SubmitJob,
 )
 from exo_tasks.errors import ExoError, RunnerGone
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.naming import runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.supervision import KILL_WAIT_S, TERM_WAIT_S
-from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent, RunnerState, RunnerStatus
+from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent
 
 log = logging.getLogger("exo_tasks.tasks")
 # The wait for a job's ending is cut into slices, to check on its runner and report progress.
@@ -212,9 +213,14 @@ def _await_runner(
     or a later load, will run it); one `pinned` to this host stays queued until the runner is
     loaded again or the job is cancelled."""
     deadline = time.monotonic() + timeout_s
+    start_asked = False
     while state is None or not state.status.accepts_jobs:
         if state is not None:
             _refuse_if_stopped(runner_id, state, pinned)
+            if state.status == RunnerStatus.UNLOADED and not start_asked:
+                # Its idle model was unloaded: load it again.
+                store.send_to_supervisor(state.host, StartRunnerRequest(runner_id=runner_id))
+                start_asked = True
         if time.monotonic() > deadline:
             raise RunnerGone(f"runner {runner_id} not ready after {timeout_s:.0f}s")
         time.sleep(0.1)

@@ -22,10 +22,11 @@ from config.settings import Settings
 from exo_tasks import jobs, recovery, revocation
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.fleet_types import HostState
 from exo_tasks.logs import configure_logging
 from exo_tasks.naming import host_queue, model_queue, model_slug, node_name
 from exo_tasks.supervisor import RunnerSupervisor
-from exo_tasks.types import HostState, utcnow
+from exo_tasks.types import utcnow
 
 log = logging.getLogger("exo_tasks.worker")
 

@@ -28,6 +28,7 @@ from exo_tasks.api.models import (
     RunnerShutdownBody,
     RunnerShutdownReply,
 )
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.openai_types import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -36,12 +37,7 @@ from exo_tasks.openai_types import (
     ModelCard,
     ModelList,
 )
-from exo_tasks.types import (
-    JobRecord,
-    JobRequest,
-    JobStatus,
-    RunnerState,
-)
+from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
 bp = Blueprint("openapi", __name__)
 JSON = "application/json"

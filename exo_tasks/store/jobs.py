@@ -16,6 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from exo_tasks import lifecycle, metrics
 from exo_tasks.broker import queue_lists
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.store.keys import (
     ACTIVE_JOBS,
     RECENT_JOBS,
@@ -33,7 +34,6 @@ from exo_tasks.types import (
     JobRecord,
     JobStatus,
     RequeuedEvent,
-    RunnerState,
     TokenEvent,
 )
 
