@@ -32,6 +32,8 @@ from exo_tasks.wire import WireModel as WireModel  # importable from here, as be
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
 MAX_STOP_STRINGS = 4
+# The most jobs one page of GET /v1/jobs lists (its `limit`; the CLI's `jobs --limit` too).
+MAX_LIST_LIMIT = 1000
 # mx.random.key takes an unsigned 64-bit seed; a larger one raises TypeError in the runner.
 SEED_LIMIT = 1 << 64
 # Every chat template marks each message (its role at least) with one token or more, so a

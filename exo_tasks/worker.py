@@ -19,7 +19,7 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import jobs, recovery
+from exo_tasks import jobs, recovery, revocation
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.fleet_types import HostState
@@ -118,6 +118,7 @@ def create_worker_app(settings: Settings) -> ExoCelery:
         components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
     app = ExoCelery(settings)
     app.steps["worker"].add(RunnerSupervisorStep)
+    revocation.register()  # Flower's revoke and terminate cancel the job
     return app
 
 
