@@ -6,6 +6,7 @@ exo_tasks.api.streams."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
@@ -55,30 +56,54 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
-def submit(
-    store: Store,
-    celery: Celery,
-    settings: Settings,
-    request: JobRequest,
-    job_id: str | None = None,
-) -> JobRecord:
-    """Record the job, then send its task: a job the API accepted is never unknown. A pinned
-    job goes to its host's own queue, which only that host's worker consumes. Once
-    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
-    fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client."""
+@dataclass(frozen=True)
+class Route:
+    """Where a job goes: its model (as served) and its queue."""
+
+    model: str
+    queue: str
+
+
+def route(store: Store, settings: Settings, request: JobRequest) -> Route:
+    """Where `request` goes, or why it cannot go now: 404 for a model or host no live host
+    serves, 503 when every runner that could take it is down, 400 for tools the model cannot
+    call, 429 when its queue is full. Checked before a stream's first byte, so a client's
+    mistake keeps its status."""
     fleet = Fleet.load(store)
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
-    job = JobRecord(id=job_id or new_job_id(), model=model, request=request)
-    depth = store.create_job(job, queue, settings.max_queued_jobs)
+    _refuse_if_full(queue, store.queue_depth(queue), settings)
+    return Route(model, queue)
+
+
+def _refuse_if_full(queue: str, depth: int, settings: Settings) -> None:
     if depth >= settings.max_queued_jobs:
         raise QueueFull(
             f"{depth} jobs are waiting in {queue}, the most allowed "
             f"(EXO_MAX_QUEUED_JOBS={settings.max_queued_jobs})",
             retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
         )
+
+
+def submit(
+    store: Store,
+    celery: Celery,
+    settings: Settings,
+    request: JobRequest,
+    job_id: str | None = None,
+    where: Route | None = None,
+) -> JobRecord:
+    """Record the job, then send its task: a job the API accepted is never unknown. A pinned
+    job goes to its host's own queue, which only that host's worker consumes. Once
+    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
+    fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client;
+    `where`: its route, if already found."""
+    where = where or route(store, settings, request)
+    job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
+    depth = store.create_job(job, where.queue, settings.max_queued_jobs)
+    _refuse_if_full(where.queue, depth, settings)  # the route's was a read; this count holds
     send(celery, settings, job)
     return job
 

@@ -38,12 +38,14 @@ class ApiContext:
     def _senders(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 
-    def submit(self, job_request: JobRequest, job_id: str | None = None) -> JobRecord:
+    def submit(
+        self, job_request: JobRequest, job_id: str | None = None, where: jobs.Route | None = None
+    ) -> JobRecord:
         """jobs.submit, on one of SENDERS long-lived threads (greenlets under gevent). Celery
         keeps a result backend, with a Redis connection of its own, per thread: submitted
         from each request's own greenlet, every job cost a connection that stayed open."""
         return self._senders.submit(
-            jobs.submit, self.store, self.celery, self.settings, job_request, job_id
+            jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where
         ).result()
 
     @cached_property

@@ -186,12 +186,13 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
     job_request = jobs.parse_request(context.settings, body.job_fields())
     if body.stream:
+        where = jobs.route(context.store, context.settings, job_request)  # errors keep statuses
         release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
         plan = _Stream(
             context, renderer, streams.close_connection(request.environ), body.include_usage
         )
         job_id = jobs.new_job_id()
-        response = sse_response(_stream(plan, job_request, job_id), on_close=release)
+        response = sse_response(_stream(plan, job_request, job_id, where), on_close=release)
     else:
         job = context.submit(job_request)
         job_id = job.id
@@ -243,14 +244,16 @@ class _Stream:
     include_usage: bool
 
 
-def _stream(plan: _Stream, job_request: JobRequest, job_id: str) -> Iterator[str]:
-    """The first byte at once, then the job submitted, then its chunks. Thousands of clients
-    arriving together each get their first byte within moments while their submissions take
-    turns; a submission refused (no live host serves the model, the queue is full, Redis is
-    down) ends the stream with the error, in OpenAI's shape, as the request would have had."""
+def _stream(
+    plan: _Stream, job_request: JobRequest, job_id: str, where: jobs.Route
+) -> Iterator[str]:
+    """The first byte at once, then the job submitted (already routed), then its chunks.
+    Thousands of clients arriving together each get their first byte within moments while
+    their submissions take turns; a submission refused after all (the queue filled meanwhile,
+    Redis went down) ends the stream with the error, in OpenAI's shape."""
     yield KEEPALIVE
     try:
-        job = plan.context.submit(job_request, job_id)
+        job = plan.context.submit(job_request, job_id, where)
     except Exception as exc:  # noqa: BLE001 (the error funnel decides, and logs the unexpected)
         yield _data(json.loads(errors.handle(exc).get_data()))
         yield DONE
