@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from bench import batch, overhead, report, scale, stopping, throughput
+from bench import batch, frontdoor, overhead, report, scale, stopping, throughput
 from bench.config import Config
 from bench.contenders import Lab
 from bench.results import Results
@@ -34,6 +34,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "stopping": stopping.run,
     "scale": scale.run,
     "batch": batch.run,
+    "frontdoor": frontdoor.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -33,6 +33,21 @@ class Settings(BaseSettings):
     api_io_timeout_s: float = Field(
         30.0, gt=0, description="A stalled read or write on a request being served (then closed)."
     )
+    max_streams: int = Field(
+        2000,
+        ge=1,
+        description="Open event streams (job streams, streamed OpenAI completions) per API "
+        "process; past it a new one gets 503 with Retry-After at once.",
+    )
+    stream_buffer_events: int = Field(
+        1024,
+        ge=1,
+        description="Events a stream buffers for a client that reads slower than its job "
+        "generates; past it the stream is closed (an OpenAI completion's job cancelled).",
+    )
+    api_redis_connections: int = Field(
+        32, ge=2, description="Redis connections per API process (shared by every request)."
+    )
     flower_port: int = 5555
     flower_basic_auth: SecretStr | None = Field(None, description="user:password for Flower.")
     api_token: SecretStr | None = Field(None, description="Set: every route but health needs it.")
@@ -64,6 +79,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Prompt tokens a runner prefills per step; each step is progress for the "
         "prefill stall limit, so a long prompt is work, not a hang.",
+    )
+    runner_idle_unload_s: float | None = Field(
+        None,
+        ge=0,
+        description="A runner idle this long unloads its model (its process exits, freeing the "
+        "memory); the next job for the model loads it again. Unset: never. A job's keep_alive "
+        "overrides it for the idle time after that job.",
     )
     runner_lanes: int | None = Field(
         None,

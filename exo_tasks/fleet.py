@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exo_tasks.errors import InvalidRequest, NotFound, Unavailable
+from exo_tasks.fleet_types import HostState, RunnerState
 from exo_tasks.naming import host_queue, model_queue, runner_id_for
 from exo_tasks.store import Store
-from exo_tasks.types import HostState, RunnerState
 
 
 def is_down(state: RunnerState | None) -> bool:

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple, Protocol
 import redis
 
 from exo_tasks import metrics
-from exo_tasks.types import JobRecord, RunnerState, RunnerStatus, TokenEvent, utcnow
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.types import JobRecord, TokenEvent, utcnow
 
 log = logging.getLogger("exo_tasks.runner")
 # Publish a change in the runner's jobs with the next write, or after this long: a job that

@@ -28,9 +28,10 @@ from collections.abc import Callable
 import redis
 
 from exo_tasks.broker import Broker, Messages
+from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
 from exo_tasks.naming import node_name
 from exo_tasks.store import JobWhereabouts, Store
-from exo_tasks.types import HostState, JobRecord, JobStatus, RunnerState, RunnerStatus, utcnow
+from exo_tasks.types import JobRecord, JobStatus, utcnow
 
 log = logging.getLogger("exo_tasks.recovery")
 HEARTBEAT_INTERVAL_S = 2.0

@@ -17,10 +17,10 @@ from kombu.utils.url import sanitize_url
 
 from config.settings import Settings
 from exo_tasks.errors import ExoError
+from exo_tasks.fleet_types import HostState
 from exo_tasks.lifeline import die_with_parent, still_running
 from exo_tasks.redis_auth import redis_auth_conf
 from exo_tasks.store import host_key
-from exo_tasks.types import HostState
 
 log = logging.getLogger("exo_tasks.redis")
 POLL_S = 0.05

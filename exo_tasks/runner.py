@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import queue
-import threading
 import time
 from collections.abc import Callable
 
@@ -22,20 +20,23 @@ import redis
 from exo_tasks import lifecycle, metrics
 from exo_tasks.active_job import ActiveJob, take_step
 from exo_tasks.commands import CancelJob, RunnerCommand, StopRunner, SubmitJob
+from exo_tasks.fleet_types import RunnerStatus
+from exo_tasks.keep_alive import KeepAlive
 from exo_tasks.outbox import Occupancy, Outbox
 from exo_tasks.runner_process import (
     EXIT_CONFIG,
+    EXIT_UNLOADED,
     ConfigError,
     Engine,
     RunnerProgress,
     RunnerSpec,
     load_engine,
+    read_inbox,
 )
 from exo_tasks.store import Store, UnreadableCommand, redis_waits
-from exo_tasks.types import FinishReason, JobStatus, RunnerState, RunnerStatus, utcnow
+from exo_tasks.types import FinishReason, JobStatus, utcnow
 
 log = logging.getLogger("exo_tasks.runner")
-INBOX_POLL_S = 1.0
 REDIS_RETRY_S = 0.5
 IDLE_WAIT_S = 0.5
 # Jobs that join a decoding batch come in bursts (jobs that started together end together, and
@@ -64,16 +65,7 @@ class Runner:
         self.store = store or Store.from_url(spec.redis_url, job_ttl_s=spec.job_ttl_s)
         self.engine_factory = engine_factory
         self.engine: Engine | None = None
-        state = RunnerState(
-            id=spec.runner_id,
-            host=spec.host,
-            model=spec.model,
-            status=RunnerStatus.WAITING_FOR_MODEL,
-            pid=os.getpid(),
-            started_at=utcnow(),
-            restarts=spec.restarts,
-        )
-        self.outbox = Outbox(self.store, state, self._occupancy)
+        self.outbox = Outbox(self.store, spec.first_state(), self._occupancy)
         self.commands: queue.Queue[RunnerCommand | UnreadableCommand] = queue.Queue()
         self.active: dict[str, ActiveJob] = {}
         self.stop_request: StopRunner | None = None
@@ -81,6 +73,7 @@ class Runner:
         self.serving = False
         self.terminate_requested = False
         self.step_s = 0.0  # how long the last generation step took
+        self.keep_alive = KeepAlive(spec.idle_unload_s)
 
     @property
     def loaded(self) -> Engine:
@@ -113,9 +106,10 @@ class Runner:
             log.exception("model failed to load")
             publish(RunnerStatus.FAILED, error=f"model failed to load: {exc}")
             return 1
-        threading.Thread(target=self._read_inbox, name="inbox", daemon=True).start()
+        read_inbox(self.store, self.spec.runner_id, self.commands)
         self.serving = True
         publish(RunnerStatus.READY)
+        self.keep_alive.idle_from(time.monotonic())
         try:
             self.serve()
         except Exception as exc:
@@ -125,6 +119,12 @@ class Runner:
                 self._flush()
             publish(RunnerStatus.FAILED, error=f"runner crashed: {exc}")
             return 1
+        if self.stop_request is None:  # idle: the supervisor starts it again on demand
+            self.outbox.amend(pid=None)
+            publish(RunnerStatus.UNLOADED)
+            self.unload()
+            log.info("runner unloaded its idle model")
+            return EXIT_UNLOADED
         self.unload()
         publish(RunnerStatus.SHUTDOWN)
         log.info("runner stopped cleanly")
@@ -157,17 +157,6 @@ class Runner:
             raise SystemExit(143)
         self.terminate_requested = True
 
-    def _read_inbox(self) -> None:
-        while True:
-            try:
-                command = self.store.next_runner_command(self.spec.runner_id, INBOX_POLL_S)
-            except Exception:
-                log.exception("reading the inbox failed; retrying")
-                time.sleep(INBOX_POLL_S)
-                continue
-            if command is not None:
-                self.commands.put(command)
-
     # --- the batching loop ---
 
     def serve(self) -> None:
@@ -189,7 +178,8 @@ class Runner:
                 time.sleep(REDIS_RETRY_S)
 
     def _serve_once(self) -> bool:
-        """One round of the loop: commands, expiries, a step. True once a stop has finished."""
+        """One round of the loop: commands, expiries, a step. True once a stop has finished, or
+        once idle long enough to unload."""
         # Deliver what is owed to Redis before generating more: after an outage the streams
         # stay complete and in order.
         self._flush()
@@ -201,12 +191,19 @@ class Runner:
             requeue = self.stop_request is not None and self.stop_request.requeue
             self._begin_stop(StopRunner(mode="hard", requeue=requeue))
         self._drop_expired()
-        if self.stop_request is not None and self._stop_finished():
+        if self._finished():
             self._flush()
             return True
         if self.active:
             self._step()
         return False
+
+    def _finished(self) -> bool:
+        """A stop has finished, or the runner has been idle long enough to unload its model."""
+        if self.stop_request is not None:
+            return self._stop_finished()
+        idle = not (self.active or self.terminate_requested)
+        return idle and self.keep_alive.due(time.monotonic())
 
     def _flush(self) -> None:
         self.outbox.flush(stopping=self.stop_request is not None)
@@ -341,6 +338,7 @@ class Runner:
         if in_engine:
             self.loaded.remove(job_id)
         self.outbox.endings.append(job.ended(JobStatus(status), reason, error))
+        self.keep_alive.idle_from(time.monotonic(), job.record.request.keep_alive)
         log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
         self._after_job_left()
 

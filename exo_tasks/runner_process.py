@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import sys
 import threading
@@ -18,7 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
 
+from config.settings import Settings
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.logs import configure_logging
+from exo_tasks.naming import model_slug, runner_id_for
+from exo_tasks.store import Store
+from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
     from exo_tasks.engine import TokenDelta
@@ -26,8 +32,11 @@ if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
     from exo_tasks.wire import Tool
 
 log = logging.getLogger("exo_tasks.runner")
+INBOX_POLL_S = 1.0
 # Exit code of a runner that cannot work as configured: the supervisor does not restart it.
 EXIT_CONFIG = 78  # EX_CONFIG
+# Exit code of a runner that unloaded its idle model: started again on demand, not restarted.
+EXIT_UNLOADED = 3
 
 
 class ConfigError(Exception):
@@ -49,7 +58,40 @@ class RunnerSpec(BaseModel):
     prefill_batch_size: int = 8
     prefill_step_size: int = 256
     lanes: int | None = None  # None: the engine's default for the device
+    idle_unload_s: float | None = None  # None: stay loaded while idle
     log_level: str = "INFO"
+
+    @classmethod
+    def for_model(cls, model_path: str, settings: Settings) -> RunnerSpec:
+        """The spec of this host's runner for the model at `model_path`."""
+        slug = model_slug(model_path)
+        return cls(
+            runner_id=runner_id_for(slug, settings.hostname),
+            host=settings.hostname,
+            model=slug,
+            model_path=model_path,
+            redis_url=settings.effective_redis_url,
+            job_ttl_s=settings.job_ttl_s,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            completion_batch_size=settings.completion_batch_size,
+            prefill_batch_size=settings.prefill_batch_size,
+            prefill_step_size=settings.prefill_step_size,
+            lanes=settings.runner_lanes,
+            idle_unload_s=settings.runner_idle_unload_s,
+            log_level=settings.log_level,
+        )
+
+    def first_state(self) -> RunnerState:
+        """The state a runner process starts with, in this process."""
+        return RunnerState(
+            id=self.runner_id,
+            host=self.host,
+            model=self.model,
+            status=RunnerStatus.WAITING_FOR_MODEL,
+            pid=os.getpid(),
+            started_at=utcnow(),
+            restarts=self.restarts,
+        )
 
 
 class RunnerProgress:
@@ -134,6 +176,24 @@ def load_engine(spec: RunnerSpec) -> Engine:
         prefill_step_size=spec.prefill_step_size,
         lanes=spec.lanes,
     )
+
+
+def read_inbox(store: Store, runner_id: str, commands: queue.Queue[Any]) -> None:
+    """Move the runner's Redis inbox into `commands`, from a thread of its own, so the batching
+    loop never waits on the network."""
+
+    def read() -> None:
+        while True:
+            try:
+                command = store.next_runner_command(runner_id, INBOX_POLL_S)
+            except Exception:
+                log.exception("reading the inbox failed; retrying")
+                time.sleep(INBOX_POLL_S)
+                continue
+            if command is not None:
+                commands.put(command)
+
+    threading.Thread(target=read, name="inbox", daemon=True).start()
 
 
 def main(spec_json: str, progress_array: Any) -> None:

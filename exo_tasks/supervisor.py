@@ -23,7 +23,7 @@ from multiprocessing.process import BaseProcess
 from config.settings import Settings
 from exo_tasks import metrics, runner_process
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
-from exo_tasks.naming import model_slug, runner_id_for
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.store import Store
 from exo_tasks.supervision import (
     HEALTHY_UPTIME_S,
@@ -35,7 +35,7 @@ from exo_tasks.supervision import (
     exit_cause,
     restart_backoff_s,
 )
-from exo_tasks.types import RunnerState, RunnerStatus, utcnow
+from exo_tasks.types import utcnow
 
 log = logging.getLogger("exo_tasks.supervisor")
 WATCH_INTERVAL_S = 0.1
@@ -64,21 +64,7 @@ class RunnerSupervisor:
         self._closing = threading.Event()
         self._drain_deadline: float | None = None
         for model_path in settings.served_models:
-            slug = model_slug(model_path)
-            spec = runner_process.RunnerSpec(
-                runner_id=runner_id_for(slug, self.host),
-                host=self.host,
-                model=slug,
-                model_path=model_path,
-                redis_url=settings.effective_redis_url,
-                job_ttl_s=settings.job_ttl_s,
-                max_prompt_tokens=settings.max_prompt_tokens,
-                completion_batch_size=settings.completion_batch_size,
-                prefill_batch_size=settings.prefill_batch_size,
-                prefill_step_size=settings.prefill_step_size,
-                lanes=settings.runner_lanes,
-                log_level=settings.log_level,
-            )
+            spec = runner_process.RunnerSpec.for_model(model_path, settings)
             self.handles[spec.runner_id] = RunnerHandle(spec)
 
     # --- starting and watching ---
@@ -165,6 +151,13 @@ class RunnerSupervisor:
             cause = exit_cause(process.exitcode)
             if handle.stop is not None and handle.stall is None:
                 self._record_stop(handle, handle.stop, cause)
+            elif process.exitcode == runner_process.EXIT_UNLOADED:
+                # Idle, it unloaded its model: no restart; the next job asks for a start. A job
+                # handed over as it exited was never started: back to the queue.
+                requeued = self.store.requeue_runner_jobs(handle.spec.runner_id)
+                log.info("runner unloaded (idle)", extra={"runner": handle.spec.runner_id})
+                if requeued:
+                    log.info("jobs requeued", extra={"jobs": ",".join(requeued)})
             else:
                 self._record_failure(
                     handle,
@@ -287,8 +280,14 @@ class RunnerSupervisor:
             self.start_runner(request.runner_id)
 
     def start_runner(self, runner_id: str) -> None:
+        handle = self.handles[runner_id]
+        process = handle.process
+        state = self.store.get_runner(runner_id)
+        unloaded = state is not None and state.status == RunnerStatus.UNLOADED
+        # Unloaded, its process is on its way out: let it go, then start a new one.
+        if process is not None and unloaded and self._wait_exit(process, TERM_WAIT_S):
+            self._on_exit(handle)
         with self._lock:
-            handle = self.handles[runner_id]
             if handle.process is not None and handle.stop is None:
                 log.info("runner already running", extra={"runner": runner_id})
                 return

@@ -32,6 +32,8 @@ from exo_tasks.wire import WireModel as WireModel  # importable from here, as be
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
 MAX_STOP_STRINGS = 4
+# The most jobs one page of GET /v1/jobs lists (its `limit`; the CLI's `jobs --limit` too).
+MAX_LIST_LIMIT = 1000
 # mx.random.key takes an unsigned 64-bit seed; a larger one raises TypeError in the runner.
 SEED_LIMIT = 1 << 64
 # Every chat template marks each message (its role at least) with one token or more, so a
@@ -63,28 +65,6 @@ class JobStatus(enum.StrEnum):
 
 
 TERMINAL_JOB_STATUSES: frozenset[JobStatus] = frozenset(s for s in JobStatus if s.is_terminal)
-
-
-class RunnerStatus(enum.StrEnum):
-    """The runner's lifecycle, as exo's runner supervisor names it."""
-
-    WAITING_FOR_MODEL = "WaitingForModel"
-    LOADING = "Loading"
-    LOADED = "Loaded"
-    WARMING_UP = "WarmingUp"
-    READY = "Ready"
-    RUNNING = "Running"
-    SHUTTING_DOWN = "ShuttingDown"
-    SHUTDOWN = "Shutdown"
-    FAILED = "Failed"
-
-    @property
-    def accepts_jobs(self) -> bool:
-        return self in (RunnerStatus.READY, RunnerStatus.RUNNING)
-
-    @property
-    def is_final(self) -> bool:
-        return self in (RunnerStatus.SHUTDOWN, RunnerStatus.FAILED)
 
 
 class ChatMessage(WireModel):
@@ -179,6 +159,12 @@ class JobRequest(SamplingParams):
     )
     user: str | None = Field(
         None, max_length=256, description="Who the job is for, as the client names them; kept."
+    )
+    keep_alive: float | None = Field(
+        None,
+        description="Seconds the model stays loaded once the runner is idle after this job "
+        "(Ollama's keep_alive): 0 unloads at once, negative never; unset: "
+        "EXO_RUNNER_IDLE_UNLOAD_S.",
     )
 
     @field_validator("timeout_s")
@@ -282,9 +268,9 @@ class JobRecord(BaseModel):
         prompt_tokens = self.usage.prompt_tokens
         timings = Timings()
         if self.started_at is not None:
-            timings.queue_ms = _ms(self.started_at - self.created_at)
+            timings.queue_ms = milliseconds(self.started_at - self.created_at)
         if self.first_token_at is not None and self.started_at is not None:
-            timings.ttft_ms = _ms(self.first_token_at - self.started_at)
+            timings.ttft_ms = milliseconds(self.first_token_at - self.started_at)
             decode_s = (now - self.first_token_at).total_seconds()
             if completion_tokens > 1 and decode_s > 0:
                 timings.tokens_per_s = round((completion_tokens - 1) / decode_s, 2)
@@ -309,7 +295,7 @@ class JobRecord(BaseModel):
         )
 
 
-def _ms(delta: timedelta) -> float:
+def milliseconds(delta: timedelta) -> float:
     return round(delta.total_seconds() * 1000, 2)
 
 
@@ -341,56 +327,3 @@ class RequeuedEvent(BaseModel):
 
 
 JobEvent = Annotated[TokenEvent | DoneEvent | RequeuedEvent, Field(discriminator="event")]
-
-
-class StatusChange(BaseModel):
-    status: RunnerStatus
-    at: datetime
-    error: str | None = None
-
-
-class RunnerState(BaseModel):
-    """A runner as published to Redis and shown by GET /v1/runners."""
-
-    id: str
-    host: str
-    model: str
-    status: RunnerStatus
-    pid: int | None = None
-    active_jobs: int = 0
-    largest_batch: int = 0
-    lanes: int = Field(1, description="Batches run side by side (one per CPU core on the CPU).")
-    tool_calling: bool | None = Field(
-        None, description="Whether the model's chat template takes tools (known once loaded)."
-    )
-    model_loads: int = 0
-    restarts: int = 0
-    error: str | None = None
-    next_restart_at: datetime | None = Field(
-        None, description="Set while a failed runner waits to be restarted."
-    )
-    started_at: datetime | None = None
-    updated_at: datetime = Field(default_factory=utcnow)
-
-    @property
-    def is_down(self) -> bool:
-        """Stopped or failed for good: no restart is coming (only a load brings it back)."""
-        return self.status.is_final and self.next_restart_at is None
-
-
-class HostState(BaseModel):
-    """A worker host as it announces itself in Redis while it runs (an expiring heartbeat)."""
-
-    name: str
-    pid: int
-    incarnation: str = Field(
-        "", description="This run of the worker: jobs it holds name it as their owner."
-    )
-    held: list[str] = Field(
-        default_factory=list,
-        description="Delivery tags of the broker messages this worker holds unacknowledged.",
-    )
-    models: list[str] = Field(description="Slugs of the models this host serves.")
-    concurrency: int | None = Field(None, description="Pool children: tasks it runs at once.")
-    started_at: datetime
-    updated_at: datetime = Field(default_factory=utcnow)

@@ -19,13 +19,14 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import batch_process, jobs, recovery
+from exo_tasks import batch_process, jobs, recovery, revocation
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.fleet_types import HostState
 from exo_tasks.logs import configure_logging
 from exo_tasks.naming import host_queue, model_queue, model_slug, node_name
 from exo_tasks.supervisor import RunnerSupervisor
-from exo_tasks.types import HostState, utcnow
+from exo_tasks.types import utcnow
 
 log = logging.getLogger("exo_tasks.worker")
 
@@ -123,6 +124,7 @@ def create_worker_app(settings: Settings) -> ExoCelery:
         components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
     app = ExoCelery(settings)
     app.steps["worker"].add(RunnerSupervisorStep)
+    revocation.register()  # Flower's revoke and terminate cancel the job
     return app
 
 

@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from exo_tasks import lifecycle
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.lifecycle import Delivery
 from exo_tasks.types import (
     TERMINAL_JOB_STATUSES,
@@ -14,8 +15,6 @@ from exo_tasks.types import (
     JobRequest,
     JobStatus,
     RequeuedEvent,
-    RunnerState,
-    RunnerStatus,
     utcnow,
 )
 

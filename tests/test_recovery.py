@@ -19,9 +19,10 @@ import requests
 
 from exo_tasks import broker, jobs
 from exo_tasks.broker import Broker
+from exo_tasks.fleet_types import HostState
 from exo_tasks.naming import host_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S, Recovery
-from exo_tasks.types import HostState, JobRecord, JobRequest, utcnow
+from exo_tasks.types import JobRecord, JobRequest, utcnow
 from tests.conftest import Stack, new_worker, runner_state, wait_tokens
 from tests.support.processes import Processes, wait_until
 from tests.support.workers import Worker

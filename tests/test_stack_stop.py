@@ -28,9 +28,10 @@ import psutil
 import pytest
 import requests
 
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
 from exo_tasks.store import Store
-from exo_tasks.types import RunnerState, model_queue, runner_id_for
+from exo_tasks.types import model_queue, runner_id_for
 from tests.support.processes import (
     EXO_TASKS,
     Processes,

@@ -19,9 +19,10 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> tuple[Response, int]:
-    """200 only when Redis answers and at least one runner of a live host takes jobs."""
+    """200 only when Redis answers and at least one runner of a live host takes jobs (or has
+    unloaded its idle model, which the next job loads again)."""
     try:
-        ready = [r.id for r in Fleet.load(ctx().store).live_runners() if r.status.accepts_jobs]
+        ready = [r.id for r in Fleet.load(ctx().store).live_runners() if r.status.serves]
     except (redis.ConnectionError, redis.TimeoutError):
         down = ReadinessReply(status="unavailable", redis=False, ready_runners=[])
         return jsonify(down.model_dump()), 503

@@ -8,14 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from exo_tasks.types import (
-    JobRecord,
-    Priority,
-    RunnerState,
-    SamplingParams,
-    StatusChange,
-    WireModel,
-)
+from exo_tasks.fleet_types import RunnerState, StatusChange
+from exo_tasks.types import JobRecord, Priority, SamplingParams, WireModel
 
 SUMMARY_TEXT_CHARS = 256
 
@@ -90,6 +84,7 @@ class JobOptions(SamplingParams):
     priority: Priority = "normal"
     timeout_s: float | None = None
     user: str | None = None
+    keep_alive: float | None = None
 
 
 class JobSummary(JobRecord):

@@ -29,6 +29,7 @@ from exo_tasks.api.models import (
 )
 from exo_tasks.api.openapi_batches import BATCH_ROUTES
 from exo_tasks.api.openapi_ops import JSON, Op, Reply
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.openai_types import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -37,12 +38,7 @@ from exo_tasks.openai_types import (
     ModelCard,
     ModelList,
 )
-from exo_tasks.types import (
-    JobRecord,
-    JobRequest,
-    JobStatus,
-    RunnerState,
-)
+from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
 bp = Blueprint("openapi", __name__)
 SSE = "text/event-stream"

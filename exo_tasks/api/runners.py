@@ -16,8 +16,8 @@ from exo_tasks.api.models import (
 )
 from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK
 from exo_tasks.errors import Conflict, NotFound
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.naming import find_model, host_queue, runner_id_for
-from exo_tasks.types import RunnerState
 
 bp = Blueprint("runners", __name__, url_prefix="/v1/runners")
 
@@ -87,7 +87,7 @@ def load_runner() -> tuple[Response, int]:
 
 def _stopped_runner(runners: list[RunnerState], body: RunnerLoadBody) -> RunnerState:
     """The runner to load for `body`: 404 when none serves the model (on that host), 409 when
-    none of them is down."""
+    none of them is down or unloaded."""
     runners = [
         r
         for r in runners
@@ -97,7 +97,7 @@ def _stopped_runner(runners: list[RunnerState], body: RunnerLoadBody) -> RunnerS
     if not runners:
         where = f" on host '{body.host}'" if body.host else ""
         raise NotFound(f"no runner for model '{body.model}'{where}", {"field": "model"})
-    stopped = [r for r in runners if r.is_down]
+    stopped = [r for r in runners if r.loadable]
     if not stopped:
         raise Conflict(
             f"runner '{runners[0].id}' is already {runners[0].status}",

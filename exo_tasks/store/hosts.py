@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import TypeAdapter
 
 from exo_tasks.commands import SupervisorRequest
+from exo_tasks.fleet_types import HostState, RunnerState
 from exo_tasks.store.client import RedisPart
 from exo_tasks.store.keys import (
     HOSTS,
@@ -15,7 +16,7 @@ from exo_tasks.store.keys import (
     runner_key,
     supervisor_key,
 )
-from exo_tasks.types import HostState, JobRecord, RunnerState
+from exo_tasks.types import JobRecord
 
 _supervisor_adapter: TypeAdapter[SupervisorRequest] = TypeAdapter(SupervisorRequest)
 

@@ -16,6 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from exo_tasks import lifecycle, metrics
 from exo_tasks.broker import queue_lists
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.store.keys import (
     ACTIVE_JOBS,
     RECENT_JOBS,
@@ -33,7 +34,6 @@ from exo_tasks.types import (
     JobRecord,
     JobStatus,
     RequeuedEvent,
-    RunnerState,
     TokenEvent,
 )
 
@@ -296,6 +296,16 @@ class JobRecords(MetricRecords):
         return [
             (entry_id, _event_adapter.validate_json(fields["data"])) for entry_id, fields in entries
         ]
+
+    def event_histories(self, job_ids: list[str]) -> dict[str, list[tuple[str, JobEvent]]]:
+        """The whole event stream of each job, in one round trip (progress of running jobs)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.xrange(events_key(job_id))
+        return {
+            job_id: [(entry_id, _event_adapter.validate_json(f["data"])) for entry_id, f in entries]
+            for job_id, entries in zip(job_ids, pipe.execute(), strict=True)
+        }
 
     def last_event(self, job_id: str) -> tuple[str, JobEvent] | None:
         """The last event of the job's stream, if any."""

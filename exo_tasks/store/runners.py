@@ -10,13 +10,13 @@ from pydantic import TypeAdapter, ValidationError
 
 from exo_tasks import lifecycle
 from exo_tasks.commands import RunnerCommand, SubmitJob
+from exo_tasks.fleet_types import RunnerState, StatusChange
 from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
     RUNNERS,
     job_key,
     runner_key,
 )
-from exo_tasks.types import RunnerState, StatusChange
 
 RUNNER_HISTORY_KEPT = 50
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
-from exo_tasks.types import RunnerState, RunnerStatus
 from tests.support.processes import EXO_TASKS, Processes, wait_until
 
 
