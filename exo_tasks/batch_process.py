@@ -1,8 +1,8 @@
-"""The batch feeder's own process, spawned by each worker: a thread of the worker's main
-process that ticks ten times a second would hold locks (Redis's, logging's) at the moments the
-prefork pool forks its children, and a child that inherits a held lock never runs its tasks
-(seen: tasks `received` and never started until the recovery loop gave them back). Spawned,
-it shares nothing with the pool; it leaves when the worker dies, and the lease it held lapses."""
+"""The batch feeder's own process, spawned by each worker. Not a thread of the worker's main
+process: that process forks the prefork pool's children, and a thread that talks to Redis ten
+times a second (with its own pool of senders) could hold a lock at the moment of a fork, and
+would compete with Celery's event loop for the GIL. Spawned, it shares nothing with the pool;
+it leaves when the worker dies, and the lease it held lapses."""
 
 from __future__ import annotations
 
