@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from bench import overhead, prefix, report, scale, stopping, throughput
+from bench import batch, frontdoor, overhead, prefix, report, scale, stopping, throughput
 from bench.config import Config
 from bench.contenders import Lab
 from bench.results import Results
@@ -33,6 +33,8 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "overhead": overhead.run,
     "stopping": stopping.run,
     "scale": scale.run,
+    "batch": batch.run,
+    "frontdoor": frontdoor.run,
     "prefix": prefix.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -24,6 +24,7 @@ class Config:
     scale_repeats: int = 1
     scale_workers: int = 2
     scale_senders: int = 8
+    batch_lines: int = 2000
 
     def quick(self) -> Config:
         return Config(
@@ -36,4 +37,5 @@ class Config:
             ttft_requests=3,
             overhead_jobs=10,
             scale_jobs=300,
+            batch_lines=300,
         )

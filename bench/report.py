@@ -15,7 +15,8 @@ SECTION_TITLES = {
     "warm_cold": "4. Warm vs cold (bench model, 16-token job)",
     "stopping": "5. Stopping: request to process gone (tiny model)",
     "queue_scale": "6. Queue scale (tiny model, 1-token jobs, 2 workers)",
-    "prefix_cache": "7. Prompt reuse (bench model, chat, 64 tokens out)",
+    "front_door": "7. Front door: streams held open at once (tiny model, 256-token completions)",
+    "prefix_cache": "9. Prompt reuse (bench model, chat, 64 tokens out)",
 }
 
 
@@ -59,11 +60,26 @@ def set_targets(results: Results) -> None:
         results.targets.append(
             Target("queue overhead p50 <= 10 ms", overhead, None, "<=", 10, "ms")
         )
+    _front_door_targets(results)
     drain = results.find("queue_scale", "drain rate", EXO)
     if drain is not None and drain.samples:
         results.targets.append(
             Target("queue drained >= 100 jobs/s", drain, None, ">=", 100, "jobs/s")
         )
+
+
+def _front_door_targets(results: Results) -> None:
+    """At 2,000 open streams: every first byte within 2 s, /healthz p99 < 100 ms, no error."""
+    bounds = [
+        ("TTFB p99, 2000 streams", "s", 2.0),
+        ("/healthz p99, 2000 streams", "ms", 100.0),
+        ("errors, 2000 streams", "", 0.0),
+    ]
+    for row, unit, bound in bounds:
+        measured = results.find("front_door", row, EXO)
+        if measured is not None and measured.samples:
+            name = f"front door: {row} <= {bound:g} {unit}".rstrip()
+            results.targets.append(Target(name, measured, None, "<=", bound, unit))
 
 
 def _number(value: float) -> str:

@@ -35,6 +35,21 @@ class Settings(BaseSettings):
     api_io_timeout_s: float = Field(
         30.0, gt=0, description="A stalled read or write on a request being served (then closed)."
     )
+    max_streams: int = Field(
+        2000,
+        ge=1,
+        description="Open event streams (job streams, streamed OpenAI completions) per API "
+        "process; past it a new one gets 503 with Retry-After at once.",
+    )
+    stream_buffer_events: int = Field(
+        1024,
+        ge=1,
+        description="Events a stream buffers for a client that reads slower than its job "
+        "generates; past it the stream is closed (an OpenAI completion's job cancelled).",
+    )
+    api_redis_connections: int = Field(
+        32, ge=2, description="Redis connections per API process (shared by every request)."
+    )
     flower_port: int = 5555
     flower_basic_auth: SecretStr | None = Field(None, description="user:password for Flower.")
     api_token: SecretStr | None = Field(None, description="Set: every route but health needs it.")
@@ -114,6 +129,24 @@ class Settings(BaseSettings):
         le=3600,
         description="How long a shutdown_runner or load_runner task stays valid in its queue; "
         "a worker drops (and logs) one that waited longer.",
+    )
+    batch_max_file_bytes: int = Field(
+        100 << 20, ge=1, description="The largest file POST /v1/files takes (then 413)."
+    )
+    batch_max_lines: int = Field(
+        50_000, ge=1, description="The most requests one batch's input file may hold."
+    )
+    batch_inflight_per_host: int = Field(
+        32,
+        ge=1,
+        description="Batch requests that are jobs at once on each live host, all batches "
+        "together; never more than its pool children less 2, left for interactive jobs.",
+    )
+    batch_max_queued: int = Field(
+        16,
+        ge=1,
+        description="Batch jobs waiting in a queue at once: the feeder sends more as the fleet "
+        "takes them, never a backlog ahead of interactive jobs (nor near EXO_MAX_QUEUED_JOBS).",
     )
     log_level: str = "INFO"
 

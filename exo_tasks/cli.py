@@ -11,10 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from annotated_types import Ge, Le
+
 from config.settings import Settings
+from exo_tasks import cli_batch, cli_jobs
 from exo_tasks.client import ApiClient
 from exo_tasks.errors import ExoError
 from exo_tasks.logs import configure_logging
+from exo_tasks.types import MAX_LIST_LIMIT, JobStatus
 
 
 def _exec(argv: list[str]) -> None:
@@ -103,34 +107,7 @@ def _client(settings: Settings) -> ApiClient:
 
 
 def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
-    """Stream the tokens to stdout; with --quiet, a progress bar on stderr, then the text."""
-    client = _client(settings)
-    body: dict[str, Any] = {"prompt": args.prompt, "max_tokens": args.max_tokens}
-    if args.model:
-        body["model"] = args.model
-    job_id = client.call("POST", "/v1/jobs", body)["id"]
-    print(f"job {job_id}", file=sys.stderr)
-    tokens = 0
-    for event, data in client.events(job_id):
-        if event == "token":
-            tokens += 1
-            if args.quiet:
-                _progress_bar(tokens, args.max_tokens)
-            else:
-                print(data["text"], end="", flush=True)
-        elif event == "requeued":
-            tokens = 0
-        elif event in ("done", "error"):
-            if args.quiet:
-                print(data["output"]["text"], end="")
-            reason = data["output"]["finish_reason"] or data["error"]
-            print(f"\n[{data['status']}: {reason}]", file=sys.stderr)
-
-
-def _progress_bar(done: int, total: int, width: int = 30) -> None:
-    filled = width * done // max(total, 1)
-    bar = "#" * filled + "-" * (width - filled)
-    print(f"\r[{bar}] {done}/{total} tokens", end="", file=sys.stderr, flush=True)
+    cli_jobs.submit(_client(settings), args)
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -182,8 +159,7 @@ def cmd_list(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def cmd_cancel(settings: Settings, args: argparse.Namespace) -> None:
-    job = _client(settings).call("POST", f"/v1/jobs/{args.job_id}/cancel")
-    print(f"job {job['id']}: {job['status']}")
+    cli_jobs.cancel(_client(settings), args)
 
 
 def cmd_shutdown(settings: Settings, args: argparse.Namespace) -> None:
@@ -223,20 +199,27 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("preset", choices=["tiny", "chat", "bench"])
     create.add_argument("dir")
     create.set_defaults(func=cmd_model_create)
-    submit = sub.add_parser("submit", help="submit a job and stream its tokens")
-    submit.add_argument("prompt")
-    submit.add_argument("--max-tokens", type=int, default=64)
-    submit.add_argument("--model", default=None)
-    submit.add_argument("-q", "--quiet", action="store_true", help="a progress bar, not tokens")
+    submit = sub.add_parser("submit", help="submit a job and stream its tokens (Ctrl-C cancels it)")
+    cli_jobs.add_submit_arguments(submit)
     submit.set_defaults(func=cmd_submit)
     jobs = sub.add_parser("jobs", help="recent jobs, as a table")
-    jobs.add_argument("--status", default=None)
-    jobs.add_argument("--limit", type=int, default=20)
+    jobs.add_argument(
+        "--status",
+        default=None,
+        choices=[s.value for s in JobStatus],
+        help="only jobs in this status",
+    )
+    jobs.add_argument(
+        "--limit",
+        type=cli_jobs.bounded(int, [Ge(1), Le(MAX_LIST_LIMIT)]),
+        default=20,
+        help=f"how many, 1 to {MAX_LIST_LIMIT} (default: %(default)s)",
+    )
     jobs.set_defaults(func=cmd_list)
     for name in ("runners", "hosts"):
         sub.add_parser(name, help=f"the {name}, as a table").set_defaults(func=cmd_list)
-    cancel = sub.add_parser("cancel", help="cancel a job")
-    cancel.add_argument("job_id")
+    cancel = sub.add_parser("cancel", help="cancel a job and print how it ended")
+    cli_jobs.add_cancel_arguments(cancel)
     cancel.set_defaults(func=cmd_cancel)
     shutdown = sub.add_parser("shutdown", help="stop a runner or a whole host")
     what = shutdown.add_subparsers(dest="what", required=True)
@@ -248,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("id")
     host.add_argument("--mode", choices=["warm", "cold"], default="warm")
     shutdown.set_defaults(func=cmd_shutdown)
+    cli_batch.register(sub, _client)
     return parser
 
 
@@ -260,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     except ExoError as exc:
         print(f"exo-tasks: {exc.message}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # a command with nothing to undo: no traceback
+        print(file=sys.stderr)
+        sys.exit(cli_jobs.INTERRUPTED_EXIT)
 
 
 if __name__ == "__main__":

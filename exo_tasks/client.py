@@ -4,6 +4,7 @@ API's errors raised as ExoError with its message, and a job's server-sent events
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +13,8 @@ import requests
 from exo_tasks.errors import ExoError
 
 TIMEOUT_S = 30.0
+POLL_S = 0.1
+ACTIVE_STATUSES = ("queued", "running")
 
 
 class ApiClient:
@@ -27,6 +30,18 @@ class ApiClient:
         """The JSON the API answers; a 4xx/5xx becomes an ExoError with the API's message."""
         response = self._send(method, path, json=body, params=params, timeout=TIMEOUT_S)
         return response.json()
+
+    def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        """The raw response (a multipart upload, a file's bytes); 4xx/5xx as in `call`."""
+        return self._send(method, path, timeout=TIMEOUT_S, **kwargs)
+
+    def wait_ended(self, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """The job once it has ended, or as it is after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while job["status"] in ACTIVE_STATUSES and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            job = self.call("GET", f"/v1/jobs/{job['id']}")
+        return job
 
     def events(self, job_id: str) -> Iterator[tuple[str, dict[str, Any]]]:
         """A job's events as (name, data), up to its last (`done` or `error`)."""

@@ -44,9 +44,8 @@ class Conflict(ExoError):
     type = "conflict"
 
 
-class QueueFull(ExoError):
-    status = 429
-    type = "queue_full"
+class ComeBackLater(ExoError):
+    """A refusal for now: the response says when to try again (`Retry-After`)."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message, {"retry_after_s": retry_after_s})
@@ -54,6 +53,18 @@ class QueueFull(ExoError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class QueueFull(ComeBackLater):
+    status = 429
+    type = "queue_full"
+
+
+class StreamsFull(ComeBackLater):
+    """This API process has EXO_MAX_STREAMS streams open."""
+
+    status = 503
+    type = "streams_full"
 
 
 class Unavailable(ExoError):

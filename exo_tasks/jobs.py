@@ -1,11 +1,12 @@
 """The job service, with no HTTP in it: parse a job request, resolve its model, submit it
-(record, then send its Celery message), follow its events, cancel it. The native and the
-OpenAI-compatible routes and the recovery loop all go through here."""
+(record, then send its Celery message), cancel it. The native and the OpenAI-compatible routes
+and the recovery loop all go through here; the API follows a job's events through
+exo_tasks.api.streams."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
@@ -19,10 +20,8 @@ from exo_tasks.errors import Conflict, NotFound, QueueFull
 from exo_tasks.fleet import Fleet
 from exo_tasks.naming import find_model, host_queue, model_queue
 from exo_tasks.store import Store
-from exo_tasks.types import DoneEvent, JobEvent, JobRecord, JobRequest, JobStatus
+from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
-# A follower of a job's events wakes this often when nothing happens (an SSE keepalive).
-FOLLOW_SLICE_MS = 1000
 QUEUE_FULL_RETRY_AFTER_S = 5
 
 
@@ -53,45 +52,60 @@ def resolve_model(fleet: Fleet, settings: Settings, requested: str | None) -> st
     return model
 
 
-def submit(store: Store, celery: Celery, settings: Settings, request: JobRequest) -> JobRecord:
-    """Record the job, then send its task: a job the API accepted is never unknown. A pinned
-    job goes to its host's own queue, which only that host's worker consumes. Once
-    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
-    fill up."""
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a job goes: its model (as served) and its queue."""
+
+    model: str
+    queue: str
+
+
+def route(store: Store, settings: Settings, request: JobRequest) -> Route:
+    """Where `request` goes, or why it cannot go now: 404 for a model or host no live host
+    serves, 503 when every runner that could take it is down, 400 for tools the model cannot
+    call, 429 when its queue is full. Checked before a stream's first byte, so a client's
+    mistake keeps its status."""
     fleet = Fleet.load(store)
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
-    job = JobRecord(id=uuid.uuid4().hex, model=model, request=request)
-    depth = store.create_job(job, queue, settings.max_queued_jobs)
+    _refuse_if_full(queue, store.queue_depth(queue), settings)
+    return Route(model, queue)
+
+
+def _refuse_if_full(queue: str, depth: int, settings: Settings) -> None:
     if depth >= settings.max_queued_jobs:
         raise QueueFull(
             f"{depth} jobs are waiting in {queue}, the most allowed "
             f"(EXO_MAX_QUEUED_JOBS={settings.max_queued_jobs})",
             retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
         )
+
+
+def submit(
+    store: Store,
+    celery: Celery,
+    settings: Settings,
+    request: JobRequest,
+    job_id: str | None = None,
+    where: Route | None = None,
+) -> JobRecord:
+    """Record the job, then send its task: a job the API accepted is never unknown. A pinned
+    job goes to its host's own queue, which only that host's worker consumes. Once
+    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
+    fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client;
+    `where`: its route, if already found."""
+    where = where or route(store, settings, request)
+    job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
+    depth = store.create_job(job, where.queue, settings.max_queued_jobs)
+    _refuse_if_full(where.queue, depth, settings)  # the route's was a read; this count holds
     send(celery, settings, job)
     return job
-
-
-def follow(store: Store, job_id: str, after: str = "0-0") -> Iterator[tuple[str, JobEvent] | None]:
-    """A job's events after stream position `after`, up to its last (DoneEvent); None for
-    each second without one, so a streaming caller can write a keepalive. A reader that
-    resumed past the end of an ended job's stream gets its last event again."""
-    while True:
-        batch = store.read_events(job_id, after, block_ms=FOLLOW_SLICE_MS)
-        if not batch:
-            last = store.last_event(job_id)
-            if last is not None and isinstance(last[1], DoneEvent):
-                yield last
-                return
-            yield None
-        for event_id, event in batch:
-            after = event_id
-            yield event_id, event
-            if isinstance(event, DoneEvent):
-                return
 
 
 def queue_of(job: JobRecord) -> str:

@@ -88,6 +88,12 @@ RUNNER_RESTARTS = Metric(
     "Runners restarted after a crash or a hang.",
     labels=("model", "host"),
 )
+BATCH_REQUESTS = Metric(
+    "exo_batch_requests_total",
+    "counter",
+    "Requests of batches by how they ended: completed (output file) or failed (error file).",
+    labels=("status",),
+)
 STORED: tuple[Metric, ...] = (
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
@@ -99,6 +105,7 @@ STORED: tuple[Metric, ...] = (
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
     RUNNER_RESTARTS,
+    BATCH_REQUESTS,
 )
 
 

@@ -14,9 +14,8 @@ from billiard.einfo import ExceptionInfo
 from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
-from kombu.exceptions import KombuError
 
-from exo_tasks import lifecycle, limits
+from exo_tasks import lifecycle, limits, task_states
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
     LOAD_RUNNER_TASK,
@@ -44,13 +43,12 @@ WAIT_SLICE_MS = 1000
 CANCEL_ACK_S = 3.0
 REDIS_RETRY_S = 0.5
 PINNED_REQUEUE_PAUSE_S = 1.0
-PROGRESS = "PROGRESS"
-# A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
-# CPU (a pool child per job); Flower needs no more than this.
-PROGRESS_EVERY_S = 2.0
 
 
 class InferenceTask(Task):  # type: ignore[type-arg]
+    # A job that failed or timed out is the task's FAILURE, expected: logged without a traceback.
+    throws = (task_states.JobEnded,)
+
     def on_failure(
         self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: ExceptionInfo
     ) -> None:
@@ -112,12 +110,12 @@ class Attempt:
     events_before: int
 
 
-# No STARTED state in the result backend: the job record already says `running`, and the
-# write (a SET and a PUBLISH) would sit between every job's delivery and its hand-over.
+# STARTED is stored after the hand-over (task_states.TaskProgress), not before: the write (a
+# SET and a PUBLISH) would sit between every job's delivery and its hand-over.
 @shared_task(name=INFERENCE_TASK, bind=True, base=InferenceTask, track_started=False)
 def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     """Run one job on this host's runner for `model`: prepare, hand over, follow. The job
-    record holds the result."""
+    record holds the result; the task ends as the job did (task_states.finish)."""
     app = _app(self)
     store = app.store
     runner_id = runner_id_for(model, app.settings.hostname)
@@ -126,18 +124,19 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     try:
         prepared = _prepare(store, job_id, runner_id)
         if isinstance(prepared, Skipped):
-            return _summary(job_id, prepared.job)
+            return task_states.finish(self, job_id, prepared.job)
         attempt = _hand_over(self, prepared, runner_id)
         if attempt is None:
-            return _summary(job_id, store.get_job(job_id))  # cancelled meanwhile
+            return task_states.finish(self, job_id, store.get_job(job_id))  # cancelled meanwhile
         log.info("job handed to runner", extra=extra)
-        progress = TaskProgress(self, prepared.job.request.max_tokens, attempt.events_before)
+        max_tokens = prepared.job.request.max_tokens
+        progress = task_states.TaskProgress(self, max_tokens, attempt.events_before)
         final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
-        return _summary(job_id, final)
+        return task_states.finish(self, job_id, final)
     except SoftTimeLimitExceeded:
         store.drop_connections()  # the limit may have cut a round trip in half
         log.warning("soft time limit reached; ending the job", extra=extra)
-        return _summary(job_id, _after_soft_limit(store, job_id, attempt))
+        return task_states.finish(self, job_id, _after_soft_limit(store, job_id, attempt))
     except ExoError as exc:
         store.fail_job(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
@@ -242,40 +241,13 @@ def _refuse_if_stopped(runner_id: str, state: RunnerState, pinned: str | None) -
         raise RunnerGone(f"runner {runner_id} is {state.status}: {state.error or 'stopped'}")
 
 
-class TaskProgress:
-    """A job's tokens so far, as the task's PROGRESS state for result readers and a
-    `task-progress` event for Flower, at most every PROGRESS_EVERY_S and only as a best
-    effort. The tokens are the events in the job's stream since the attempt began."""
-
-    def __init__(self, task: Task[Any, Any], max_tokens: int, events_before: int) -> None:
-        self.task = task
-        self.max_tokens = max_tokens
-        self.events_before = events_before
-        self.tokens = 0
-        self.reported_at = time.monotonic()
-
-    def update(self, events: int) -> None:
-        tokens = events - self.events_before
-        now = time.monotonic()
-        if tokens == self.tokens or now - self.reported_at < PROGRESS_EVERY_S:
-            return
-        self.tokens, self.reported_at = tokens, now
-        meta = {"tokens": tokens, "max_tokens": self.max_tokens}
-        try:
-            self.task.update_state(state=PROGRESS, meta=meta)
-            # Flower shows a task's state and `result` (a repr, as in task-succeeded events).
-            self.task.send_event("task-progress", retry=False, result=repr(meta))
-        except (redis.RedisError, KombuError) as exc:
-            log.warning("progress not reported", extra={"error": str(exc)})
-
-
 def _follow(
     store: Store,
     job_id: str,
     runner: RunnerState,
     after: str,
     until: float | None = None,
-    progress: TaskProgress | None = None,
+    progress: task_states.TaskProgress | None = None,
 ) -> JobRecord:
     """Wait for the end of the job's attempt: its first ending after stream position `after`.
     Returns the final record; never waits on a dead runner. A job its runner put back on the
@@ -298,7 +270,7 @@ def _check_on(
     job_id: str,
     runner: RunnerState,
     until: float | None,
-    progress: TaskProgress | None,
+    progress: task_states.TaskProgress | None,
 ) -> None:
     """Between two waits: report progress; end the job if its runner is gone or `until` has
     passed. Each ending is appended to the job's endings, which the next wait returns."""
@@ -315,13 +287,6 @@ def _time_out(store: Store, job_id: str) -> None:
     """The runner did not end the job after the soft limit, or never had it: record it as
     timed out ourselves."""
     store.end_job(job_id, JobStatus.TIMED_OUT, finish_reason="time_limit")
-
-
-def _summary(job_id: str, job: JobRecord | None) -> dict[str, Any]:
-    """The task's result: how the job ended (the job record holds the rest)."""
-    if job is None:  # unknown, or expired
-        return {"job_id": job_id, "status": "unknown"}
-    return {"job_id": job.id, "status": job.status, "finish_reason": job.output.finish_reason}
 
 
 # --- runner control, on the host's own queue ---

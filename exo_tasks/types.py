@@ -32,6 +32,8 @@ from exo_tasks.wire import WireModel as WireModel  # importable from here, as be
 FinishReason = Literal["stop", "length", "cancelled", "time_limit", "shutdown"]
 Priority = Literal["high", "normal", "low"]
 MAX_STOP_STRINGS = 4
+# The most jobs one page of GET /v1/jobs lists (its `limit`; the CLI's `jobs --limit` too).
+MAX_LIST_LIMIT = 1000
 # mx.random.key takes an unsigned 64-bit seed; a larger one raises TypeError in the runner.
 SEED_LIMIT = 1 << 64
 # Every chat template marks each message (its role at least) with one token or more, so a
@@ -273,9 +275,9 @@ class JobRecord(BaseModel):
         prompt_tokens = self.usage.prompt_tokens
         timings = Timings()
         if self.started_at is not None:
-            timings.queue_ms = _ms(self.started_at - self.created_at)
+            timings.queue_ms = milliseconds(self.started_at - self.created_at)
         if self.first_token_at is not None and self.started_at is not None:
-            timings.ttft_ms = _ms(self.first_token_at - self.started_at)
+            timings.ttft_ms = milliseconds(self.first_token_at - self.started_at)
             decode_s = (now - self.first_token_at).total_seconds()
             if completion_tokens > 1 and decode_s > 0:
                 timings.tokens_per_s = round((completion_tokens - 1) / decode_s, 2)
@@ -301,7 +303,7 @@ class JobRecord(BaseModel):
         )
 
 
-def _ms(delta: timedelta) -> float:
+def milliseconds(delta: timedelta) -> float:
     return round(delta.total_seconds() * 1000, 2)
 
 

@@ -19,7 +19,7 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import jobs, recovery
+from exo_tasks import batch_process, jobs, recovery, revocation
 from exo_tasks.broker import Broker
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.fleet_types import HostState
@@ -74,7 +74,11 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             stuck_after_s=settings.runner_start_timeout_s + recovery.STUCK_MARGIN_S,
         )
 
+        self.feeder: Any = None  # spawned in start()
+
         def on_stopped() -> None:
+            if self.feeder is not None:
+                batch_process.stop(self.feeder)
             self.recovery.stop()
             self.presence.stop()
 
@@ -92,6 +96,8 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         previous = self.presence.start()
         self.recovery.start(previous)
+        # Drives OpenAI batches, in one worker at a time (its own lease), in its own process.
+        self.feeder = batch_process.start(worker.app.settings, worker.app.incarnation)
         super().start(worker)
 
 
@@ -118,6 +124,7 @@ def create_worker_app(settings: Settings) -> ExoCelery:
         components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
     app = ExoCelery(settings)
     app.steps["worker"].add(RunnerSupervisorStep)
+    revocation.register()  # Flower's revoke and terminate cancel the job
     return app
 
 

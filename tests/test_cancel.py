@@ -144,7 +144,8 @@ def test_a_stream_waiting_in_the_queue_sends_keepalives_and_a_disconnect_cancels
     response = stack.api.post("/v1/chat/completions", json=body, stream=True)
     job_id = response.headers["X-Exo-Job-Id"]
     lines = response.iter_lines(decode_unicode=True)
-    assert next(lines).startswith('data: {"id":"chatcmpl-')  # the role chunk, at once
+    assert [next(lines), next(lines)] == [": keepalive", ""]  # at once, before the submission
+    assert next(lines).startswith('data: {"id":"chatcmpl-')  # the role chunk, once submitted
     started = time.monotonic()
     comments = [line for line in (next(lines) for _ in range(4)) if line]
     assert comments == [": keepalive", ": keepalive"]

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from exo_tasks.types import JobRequest
 from tests.conftest import Stack
 from tests.support.api import Api, api_settings, serving
 from tests.support.processes import EXO_TASKS, Processes, exo_env, wait_until
@@ -61,7 +65,8 @@ def test_cancel_sends_the_token_and_errors_name_the_status(stack: Stack, tiny_mo
         assert refused.returncode == 2 and "401 unauthorized" in refused.stderr
         result = exo_tasks(guarded, "cancel", job_id, token=TOKEN)
         assert result.returncode == 0, result.stderr
-        assert result.stdout.startswith(f"job {job_id}: ")
+        # It waits for the job's final status: a running job ends at its runner's next step.
+        assert result.stdout == f"job {job_id}: cancelled\n"
         assert guarded.wait_job(job_id)["status"] == "cancelled"
         again = exo_tasks(guarded, "cancel", job_id, token=TOKEN)
         assert again.returncode == 2 and "409 conflict" in again.stderr
@@ -90,3 +95,68 @@ def test_shutdown_a_runner_then_its_host(
     assert worker.process.wait(timeout=20) is not None
     missing = exo_tasks(stack.api, "shutdown", "host", "cli-host")
     assert missing.returncode == 2 and "404 not_found" in missing.stderr
+
+
+def test_submit_takes_the_sampling_options_with_the_api_defaults(stack: Stack) -> None:
+    help_text = exo_tasks(stack.api, "submit", "--help").stdout
+    for option in ("--temperature", "--top-p", "--seed", "--stop", "--priority", "--ignore-eos"):
+        assert option in help_text
+    assert "--system" in help_text and "--timeout" in help_text
+    # The default is the API's own (JobRequest's), not a copy of it.
+    assert JobRequest.model_fields["max_tokens"].default == 256
+    assert "(default: 256)" in " ".join(help_text.split())
+
+    plain = exo_tasks(stack.api, "submit", "hi", "--quiet")
+    assert plain.returncode == 0, plain.stderr
+    request = job_request(stack, plain)
+    assert request["max_tokens"] == 256 and request["prompt"] == "hi"
+    assert request["temperature"] == 0 and request["priority"] == "normal"
+
+    result = exo_tasks(
+        stack.api,
+        *("submit", "hi", "--max-tokens", "6", "--temperature", "0.7", "--top-p", "0.9"),
+        *("--seed", "7", "--stop", "zz", "--stop", "yy", "--priority", "high", "--ignore-eos"),
+        *("--system", "be brief", "--timeout", "30"),
+    )
+    assert result.returncode == 0, result.stderr
+    request = job_request(stack, result)
+    messages = [(m["role"], m["content"]) for m in request["messages"]]
+    assert messages == [("system", "be brief"), ("user", "hi")]
+    assert (request["temperature"], request["top_p"], request["seed"]) == (0.7, 0.9, 7)
+    assert request["stop"] == ["zz", "yy"] and request["priority"] == "high"
+    assert request["ignore_eos"] is True and request["timeout_s"] == 30
+
+
+def job_request(stack: Stack, result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    job_id = result.stderr.split()[1]
+    request: dict[str, Any] = stack.api.get(f"/v1/jobs/{job_id}").json()["request"]
+    return request
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["jobs", "--limit", "0"], "argument --limit: 0 is out of range: must be >= 1 and <= 1000"),
+        (["jobs", "--limit", "x"], "argument --limit: 'x' is not an integer >= 1 and <= 1000"),
+        (
+            ["jobs", "--status", "done"],
+            "invalid choice: 'done' (choose from 'queued', 'running', 'succeeded', 'failed', "
+            "'cancelled', 'timed_out')",
+        ),
+        (["submit", "p", "--max-tokens", "0"], "--max-tokens: 0 is out of range: must be >= 1"),
+        (["submit", "p", "--temperature", "2.5"], "must be >= 0.0 and <= 2.0"),
+        (["submit", "p", "--top-p", "0"], "--top-p: 0 is out of range: must be > 0.0 and <= 1.0"),
+        (["submit", "p", "--seed", str(2**64)], "must be >= 0 and < 18446744073709551616"),
+        (["submit", "p", "--timeout", "inf"], "--timeout: inf is out of range: must be > 0"),
+        (["submit", "p", "--priority", "urgent"], "(choose from 'high', 'normal', 'low')"),
+        (["submit", "p", *["--stop", "s"] * 5], "argument --stop: at most 4 stop strings"),
+        (["submit", "p", "--stop", ""], "argument --stop: a stop string cannot be empty"),
+        (["cancel", "j", "--wait", "-1"], "argument --wait: -1 is out of range: must be >= 0"),
+    ],
+)
+def test_arguments_are_checked_naming_the_valid_values(
+    stack: Stack, args: list[str], message: str
+) -> None:
+    result = exo_tasks(stack.api, *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,25 +1,75 @@
-"""Flower, as `exo-tasks flower` runs it: basic auth, both hosts' workers, and inference tasks
-with their PROGRESS (tokens done of max) and their end."""
+"""Flower, as `exo-tasks flower` runs it: basic auth, both hosts' workers, and inference tasks as
+Flower shows and controls them, through Flower's own HTTP API: `STARTED` with their progress
+while their job runs, a revoke (plain, or terminate with any signal) that cancels the job, and
+a final state that follows the job's ending."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import requests
+from celery import states
 from celery.result import AsyncResult
 
-from tests.conftest import Stack, TwoHosts
+from tests.conftest import LONG, Stack, TwoHosts, wait_tokens
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
+from tests.support.workers import runner_state
 
 AUTH = ("admin", "s3cret")
+BETA = {"model": "beta"}  # served by fleet-y only
 
 
-def test_flower_shows_workers_and_task_progress_behind_basic_auth(
-    stack: Stack, fleet: TwoHosts, processes: Processes, tmp_path: Path
-) -> None:
+@dataclass
+class Flower:
+    url: str
+    process: Any
+    log_path: Path
+
+    def get(self, path: str, **kwargs: Any) -> requests.Response:
+        assert self.process.poll() is None, self.log_path.read_text()[-2000:]
+        return requests.get(self.url + path, timeout=10, **kwargs)
+
+    def tasks(self, **params: Any) -> dict[str, Any]:
+        tasks: dict[str, Any] = self.get("/api/tasks", auth=AUTH, params=params).json()
+        return tasks
+
+    def task(self, task_id: str) -> dict[str, Any]:
+        info: dict[str, Any] = self.get(f"/api/task/info/{task_id}", auth=AUTH).json()
+        return info
+
+    def left_state(self, task_id: str, state: str) -> bool:
+        return self.task(task_id).get("state") != state
+
+    def wait_state(self, task_id: str, state: str, timeout_s: float = 15) -> dict[str, Any]:
+        info: dict[str, Any] = wait_until(
+            lambda: (i := self.task(task_id)).get("state") == state and i,
+            timeout_s,
+            f"Flower to show task {task_id} {state}",
+            interval_s=0.2,
+        )
+        return info
+
+    def revoke(self, task_id: str, **params: str) -> None:
+        response = requests.post(
+            f"{self.url}/api/task/revoke/{task_id}", params=params, auth=AUTH, timeout=10
+        )
+        assert response.status_code == 200, response.text
+
+
+@pytest.fixture(scope="module")
+def flower(
+    stack: Stack, fleet: TwoHosts, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Flower]:
+    processes = Processes()
+    tmp_path = tmp_path_factory.mktemp("flower")
     port = free_port()
     env = exo_env(
         redis_url=stack.redis.url,
@@ -27,57 +77,158 @@ def test_flower_shows_workers_and_task_progress_behind_basic_auth(
         flower_basic_auth=":".join(AUTH),
         data_dir=tmp_path,
     )
-    flower = processes.start([EXO_TASKS, "flower"], env, tmp_path / "flower.log")
-    url = f"http://127.0.0.1:{port}"
-
-    def get(path: str, **kwargs: Any) -> requests.Response:
-        assert flower.poll() is None, (tmp_path / "flower.log").read_text()[-2000:]
-        return requests.get(url + path, timeout=10, **kwargs)
+    log_path = tmp_path / "flower.log"
+    process = processes.start([EXO_TASKS, "flower"], env, log_path)
+    flower = Flower(f"http://127.0.0.1:{port}", process, log_path)
 
     def online() -> dict[str, bool] | None:
         try:
-            alive: dict[str, bool] = get("/api/workers?status=1", auth=AUTH).json()
+            alive: dict[str, bool] = flower.get("/api/workers?status=1", auth=AUTH).json()
         except (requests.ConnectionError, requests.Timeout):  # not up, or still starting
             return None
         # Seen through worker heartbeat events: Flower's event receiver is running.
         return alive if alive.get("exo@fleet-x") and alive.get("exo@fleet-y") else None
 
-    wait_until(online, 30, "Flower to see both workers online", interval_s=0.3)
-    assert get("/api/workers").status_code == 401
+    try:
+        wait_until(online, 30, "Flower to see both workers online", interval_s=0.3)
+        yield flower
+    finally:
+        processes.stop_all()
+
+
+def result_of(stack: Stack, task_id: str) -> AsyncResult[Any]:
+    return AsyncResult(task_id, app=stack.api.app.extensions["exo"].celery)
+
+
+def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
+    stack: Stack, flower: Flower
+) -> None:
+    assert flower.get("/api/workers").status_code == 401
     # The password is given by environment: a command line is visible to every local user.
-    assert AUTH[1] not in " ".join(psutil.Process(flower.pid).cmdline())
-    assert get("/api/tasks", auth=("admin", "wrong")).status_code == 401
-    workers = get("/api/workers?refresh=1", auth=AUTH).json()
+    assert AUTH[1] not in " ".join(psutil.Process(flower.process.pid).cmdline())
+    assert flower.get("/api/tasks", auth=("admin", "wrong")).status_code == 401
+    workers = flower.get("/api/workers?refresh=1", auth=AUTH).json()
     assert {"exo@fleet-x", "exo@fleet-y"} <= set(workers)
     assert workers["exo@fleet-x"]["stats"]["pool"]["max-concurrency"] == 1
 
-    long_id = stack.api.submit(prompt="long", max_tokens=4000, ignore_eos=True, model="beta")
+    long_id = stack.api.submit(**LONG, **BETA)
     try:
-        info: dict[str, Any] = wait_until(
-            lambda: (
-                (i := get(f"/api/task/info/{long_id}", auth=AUTH).json()).get("state") == "PROGRESS"
-                and i
-            ),
+        # Progress is reported at most every 2 s: the first report with tokens in it.
+        info = wait_until(
+            lambda: (i := flower.task(long_id)).get("state") == "STARTED" and i.get("result") and i,
             15,
-            "Flower to show the task's progress",
+            "Flower to show the task STARTED with its progress",
             interval_s=0.2,
         )
         progress = ast.literal_eval(info["result"])
         assert progress["max_tokens"] == 4000 and 0 < progress["tokens"] < 4000
         assert info["worker"] == "exo@fleet-y" and info["name"] == "exo.inference"
-        result: AsyncResult[Any] = AsyncResult(long_id, app=stack.api.app.extensions["exo"].celery)
-        assert str(result.state) == "PROGRESS" and result.info["max_tokens"] == 4000
+        # Flower's "Started" filter finds it, and its Terminate button is drawn.
+        assert long_id in flower.tasks(state="STARTED")
+        page = flower.get(f"/task/{long_id}", auth=AUTH).text
+        assert 'id="task-terminate"' in page
+        result = result_of(stack, long_id)
+        assert str(result.state) == "STARTED" and result.info["max_tokens"] == 4000
     finally:
-        stack.api.post(f"/v1/jobs/{long_id}/cancel")
+        assert stack.api.post(f"/v1/jobs/{long_id}/cancel").status_code == 202
+    # A job cancelled through the API: its task is REVOKED, in Flower and in the backend.
+    assert stack.api.wait_job(long_id)["status"] == "cancelled"
+    flower.wait_state(long_id, "REVOKED")
+    assert str(result_of(stack, long_id).state) == "REVOKED"
 
-    short_id = stack.api.submit(prompt="short", max_tokens=8, model="beta")
+    short_id = stack.api.submit(prompt="short", max_tokens=8, **BETA)
     assert stack.api.wait_job(short_id)["status"] == "succeeded"
-
-    def finished() -> dict[str, Any] | None:
-        tasks: dict[str, Any] = get("/api/tasks", auth=AUTH).json()
-        task = tasks.get(short_id)
-        return task if task is not None and task["state"] == "SUCCESS" else None
-
-    task = wait_until(finished, 15, "Flower to list the finished task", interval_s=0.2)
+    task = flower.wait_state(short_id, "SUCCESS")
     assert task["name"] == "exo.inference" and task["worker"] == "exo@fleet-y"
     assert "'status': 'succeeded'" in task["result"]
+
+
+def worker_processes(fleet: TwoHosts) -> set[int]:
+    """The pids of fleet-y's pool children and runners: a killed pool child is replaced."""
+    return {child.pid for child in psutil.Process(fleet.y.pid).children(recursive=True)}
+
+
+@pytest.mark.parametrize(
+    "how",
+    [{}, {"terminate": "true"}, {"terminate": "true", "signal": "SIGKILL"}],
+    ids=["revoke", "terminate", "terminate-SIGKILL"],
+)
+def test_a_revoke_from_flower_cancels_the_job_and_spares_its_pool_child_and_model(
+    stack: Stack, fleet: TwoHosts, flower: Flower, how: dict[str, str]
+) -> None:
+    children = worker_processes(fleet)
+    runner = runner_state(stack.store, "fleet-y", "beta")
+    job_id = stack.api.submit(**LONG, **BETA)
+    wait_tokens(stack, job_id)
+    flower.wait_state(job_id, "STARTED")
+
+    revoked = time.monotonic()
+    flower.revoke(job_id, **how)
+    job = stack.api.wait_job(job_id, timeout_s=3)
+    assert time.monotonic() - revoked < 3
+    # The same ending as POST /v1/jobs/<id>/cancel: the partial text kept.
+    assert job["status"] == "cancelled" and job["output"]["finish_reason"] == "cancelled"
+    assert 0 < job["usage"]["completion_tokens"] < 4000 and job["output"]["text"]
+    assert flower.wait_state(job_id, "REVOKED")["worker"] == "exo@fleet-y"
+    assert str(result_of(stack, job_id).state) == "REVOKED"
+
+    # No process was signalled: the same pool children, the same runner with its one load.
+    assert worker_processes(fleet) == children
+    after = runner_state(stack.store, "fleet-y", "beta")
+    assert after.pid == runner.pid and after.model_loads == runner.model_loads
+    assert "Terminating" not in fleet.y.log_text()
+    # The pool runs the next job.
+    next_id = stack.api.submit(prompt="next", max_tokens=4, **BETA)
+    assert stack.api.wait_job(next_id)["status"] == "succeeded"
+
+
+def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
+    stack: Stack, flower: Flower
+) -> None:
+    timed_id = stack.api.submit(**LONG, **BETA, timeout_s=1)
+    # One token per character with the tiny model: over EXO_MAX_PROMPT_TOKENS (8192), which
+    # only the runner counts.
+    failed_id = stack.api.submit(prompt="a" * 9000, max_tokens=4, **BETA)
+    assert stack.api.wait_job(timed_id)["status"] == "timed_out"
+    failed = stack.api.wait_job(failed_id)
+    assert failed["status"] == "failed" and failed["error"]
+
+    timed = flower.wait_state(timed_id, "FAILURE")
+    assert "JobEnded" in timed["exception"] and "timed_out: time_limit" in timed["exception"]
+    task = flower.wait_state(failed_id, "FAILURE")
+    assert "job failed" in task["exception"] and failed["error"][:40] in task["exception"]
+    result = result_of(stack, failed_id)
+    assert str(result.state) == "FAILURE" and "job failed" in str(result.info)
+
+    # No task is in a custom state (such as PROGRESS), nor STARTED once its job has ended.
+    tasks = flower.tasks()
+    assert {task["state"] for task in tasks.values()} <= states.ALL_STATES
+    for task_id, task in tasks.items():
+        if task["name"] == "exo.inference" and task["state"] == "STARTED":
+            stack.api.wait_job(task_id)
+            wait_until(
+                functools.partial(flower.left_state, task_id, "STARTED"),
+                5,
+                f"task {task_id} to leave STARTED once its job ended",
+            )
+
+
+def test_a_revoke_from_flower_of_a_queued_job_means_it_never_runs(
+    stack: Stack, flower: Flower
+) -> None:
+    # fleet-x has one pool child: a job pinned there waits behind the busy one.
+    busy = stack.api.submit(**LONG, host="fleet-x", model="alpha")
+    wait_tokens(stack, busy)
+    queued = stack.api.submit(prompt="never", max_tokens=8, host="fleet-x", model="alpha")
+    flower.revoke(queued)
+    job = stack.api.wait_job(queued, timeout_s=3)
+    assert job["status"] == "cancelled" and job["started_at"] is None
+    assert stack.api.get(f"/v1/jobs/{busy}").json()["status"] == "running"
+
+    flower.revoke(busy, terminate="true")
+    assert stack.api.wait_job(busy, timeout_s=3)["status"] == "cancelled"
+    for job_id in (busy, queued):
+        flower.wait_state(job_id, "REVOKED")
+        assert str(result_of(stack, job_id).state) == "REVOKED"
+    job = stack.api.get(f"/v1/jobs/{queued}").json()
+    assert job["runner_id"] is None and job["output"]["text"] == ""

@@ -9,7 +9,19 @@ from __future__ import annotations
 from flask import Flask
 
 from config.settings import Settings
-from exo_tasks.api import auth, errors, health, hosts, jobs, metrics, openai, openapi, runners
+from exo_tasks.api import (
+    auth,
+    batches,
+    errors,
+    files,
+    health,
+    hosts,
+    jobs,
+    metrics,
+    openai,
+    openapi,
+    runners,
+)
 from exo_tasks.api.context import ApiContext
 from exo_tasks.celery_app import ExoCelery
 
@@ -23,4 +35,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     auth.init_app(app)
     for blueprint in (health.bp, jobs.bp, runners.bp, hosts.bp, openai.bp, metrics.bp, openapi.bp):
         app.register_blueprint(blueprint)
+    app.register_blueprint(files.bp)
+    app.register_blueprint(batches.bp)
     return app

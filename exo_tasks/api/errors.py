@@ -15,7 +15,13 @@ from exo_tasks.store import is_out_of_memory
 
 log = logging.getLogger("exo_tasks.api")
 # These routes answer errors in OpenAI's shape, so that OpenAI clients can read them.
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/files",
+    "/v1/batches",
+)
 
 
 def error_response(

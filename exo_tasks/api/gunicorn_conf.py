@@ -7,9 +7,11 @@ _settings = Settings()
 
 bind = f"{_settings.api_host}:{_settings.api_port}"
 workers = _settings.api_workers
-# gthread, giving threads only to requests that have arrived (see gunicorn_worker.py).
-worker_class = "exo_tasks.api.gunicorn_worker.SlowClientSafeWorker"
-threads = 32
+# gevent: a connection is a greenlet, so open streams cost no thread (see gunicorn_worker.py).
+worker_class = "exo_tasks.api.gunicorn_worker.StreamingWorker"
+# Connections per worker: its EXO_MAX_STREAMS streams, and as many others again (health checks,
+# submissions, slow clients) so that a full house of streams never keeps them out.
+worker_connections = 2 * _settings.max_streams + 1024
 graceful_timeout = 5
 # How long a connection may stay silent, between requests or in the middle of one.
 keepalive = 5

@@ -1,35 +1,48 @@
-"""gunicorn's gthread worker, kept from slow clients, with its own errors in the API's JSON shape.
+"""gunicorn's gevent worker, kept from slow and vanished clients, with its own errors in the
+API's JSON shape.
 
-gunicorn 27's gthread worker commits a thread to a connection as soon as it has a byte to read,
-then reads the request with a blocking socket and no timeout: 150 connections that send half a
-request line held every thread, and `/healthz` waited for good. Here a connection gets a thread
-only once its whole request has arrived (the headers, and a body of announced length up to
-EXO_MAX_BODY_BYTES): until then what it sent is kept with the connection, which waits in the
-worker's poller like an idle keep-alive one and costs no thread. A client gets
-EXO_API_HEADER_TIMEOUT_S to send it (then 408); one that goes silent is closed after gunicorn's
-`keepalive`. Once a thread has the request, every read and write on its socket times out after
-EXO_API_IO_TIMEOUT_S (a chunked body, a client that stops reading its response).
+Every connection is a greenlet, so an open event stream costs no thread: thousands stay open
+beside `/healthz` (the gthread worker held a thread per stream, and 64 streams starved every
+other request). Redis and Celery calls cooperate through gevent's monkey patching.
+
+What the gthread worker of issue 18 protected against still holds:
+- a connection that has sent nothing waits at most gunicorn's `keepalive`, then is closed;
+- once a request's first byte has arrived, the client has EXO_API_HEADER_TIMEOUT_S to send the
+  rest of its head, then gets 408 in the error shape (a trickled request line holds a greenlet
+  for that long, never a thread);
+- every read and write on a socket times out after EXO_API_IO_TIMEOUT_S (a body sent slowly, a
+  client that stops reading its response);
+- a client that vanishes without a FIN: TCP_USER_TIMEOUT (EXO_API_IO_TIMEOUT_S) makes the kernel
+  give up on data it cannot deliver, so a stream's keepalive (each second) fails within
+  EXO_API_IO_TIMEOUT_S + 1 s and the stream is closed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
-import re
+import resource
 import socket
-import time
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Iterator
 from typing import Any
 
+import gevent
+from gevent import socket as gsocket
+from gevent.local import local
 from gunicorn import util
-from gunicorn.workers.gthread import _DEFER, ThreadWorker
+from gunicorn.http.errors import NoMoreData
+from gunicorn.workers.base_async import AsyncWorker
+from gunicorn.workers.ggevent import GeventWorker
 
 from config.settings import Settings
 
-HEAD_END = b"\r\n\r\n"
-MAX_HEAD_BYTES = 64 << 10  # past this the parser has the request and refuses it (414, 431)
+# Descriptors a worker needs beyond its connections: Redis, logs, the listening socket.
+SPARE_FDS = 256
+LINGER_S = 1.0
+STOP_GRACE_S = 0.1
 RECV_BYTES = 64 << 10
-CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d{1,19})[ \t]*\r", re.IGNORECASE)
 
 
 def write_json_error(sock: socket.socket, status: int, reason: str, message: str) -> None:
@@ -44,95 +57,91 @@ def write_json_error(sock: socket.socket, status: int, reason: str, message: str
     util.write_nonblock(sock, head.encode("latin-1") + body)
 
 
-class _TimedSocket(socket.socket):
-    """A socket whose blocking mode has a timeout: gunicorn sets sockets blocking (no timeout)
-    for the thread that serves a request."""
-
-    io_timeout_s = 30.0
-
-    def setblocking(self, flag: bool) -> None:
-        # Closed already (see SlowClientSafeWorker.handle): gunicorn's close then does nothing.
-        with contextlib.suppress(OSError):
-            self.settimeout(self.io_timeout_s if flag else 0.0)
+class RequestTimeout(Exception):
+    """A request's head did not arrive within EXO_API_HEADER_TIMEOUT_S of its first byte."""
 
 
-@dataclass
-class _Incoming:
-    """A request arriving on a connection, kept until it is whole."""
-
-    deadline: float
-    data: bytearray = field(default_factory=bytearray)
-
-    def whole(self, max_body_bytes: int) -> bool:
-        end = self.data.find(HEAD_END)
-        if end < 0:
-            return len(self.data) > MAX_HEAD_BYTES
-        length = CONTENT_LENGTH.search(self.data, 0, end + 2)
-        body = int(length[1]) if length else 0  # chunked: read by the thread, under its timeout
-        # A body over the cap is refused (413) from its Content-Length, unread.
-        return len(self.data) >= end + len(HEAD_END) + (body if body <= max_body_bytes else 0)
+def raise_fd_limit(wanted: int) -> int:
+    """Lift this process's soft limit on open files towards `wanted` (up to the hard limit):
+    every open stream is a socket. Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return int(soft)
 
 
-class SlowClientSafeWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn is untyped
-    """The gthread worker, giving a thread only to a connection whose request has arrived."""
+class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untyped
+    """gunicorn's gevent worker with the header, I/O and vanished-client bounds above."""
 
     def init_process(self) -> None:
         settings = Settings()
         self.header_timeout_s = settings.api_header_timeout_s
-        self.max_body_bytes = settings.max_body_bytes
-        _TimedSocket.io_timeout_s = settings.api_io_timeout_s
+        self.io_timeout_s = settings.api_io_timeout_s
+        limit = raise_fd_limit(self.worker_connections + SPARE_FDS)
+        if limit < self.worker_connections + SPARE_FDS:
+            self.log.warning("open files limited to %d: fewer connections fit", limit)
         # gunicorn writes its error pages through this one function, and has no setting for it.
         util.write_error = write_json_error
+        self._client = local()
         super().init_process()
 
-    def enqueue_req(self, conn: Any) -> None:
-        if not isinstance(conn.sock, _TimedSocket):  # a new connection
-            plain = conn.sock
-            conn.sock = _TimedSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
-            conn.sock.setblocking(False)
-        super().enqueue_req(conn)
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """SIGTERM: stop accepting, give requests in flight STOP_GRACE_S, then leave. Open
+        streams never end by themselves, and gevent's own graceful stop waits for every
+        connection (idle keep-alive ones too) up to gunicorn's graceful_timeout; the stack
+        gives the API 2 s to stop. A job whose record was written but not its message is
+        sent again by the recovery loop."""
+        super().handle_exit(sig, frame)
+        gevent.spawn_later(STOP_GRACE_S, sys.exit, 0)
 
-    def handle(self, conn: Any) -> Any:
-        """Serve the connection's request if it has all arrived; else give it back to the
-        poller (`_DEFER`) to wait for more, or close it (False)."""
-        buffered = conn.parser is not None and conn.parser.unreader.buf.getvalue()
-        if self.cfg.is_ssl or buffered:  # TLS reads records; read-ahead bytes are a request
-            return super().handle(conn)
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        # Not GeventWorker.handle: it makes the socket blocking with no timeout at all.
+        client.settimeout(self.io_timeout_s)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+            user_timeout_ms = int(self.io_timeout_s * 1000)
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
+        self._client.socket = client
+        AsyncWorker.handle(self, listener, client, addr)
+
+    def timeout_ctx(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps each wait for a request (gunicorn's keep-alive loop)."""
+        return self._request_deadline(self._client.socket)
+
+    @contextlib.contextmanager
+    def _request_deadline(self, client: Any) -> Iterator[None]:
         try:
-            incoming = self._read_available(conn)
-        except ConnectionError:  # the client closed, or reset
-            util.close(conn.sock)
-            return False
-        if incoming is None:
-            return _DEFER
-        if incoming.whole(self.max_body_bytes):
-            del conn.exo_incoming
-            conn.init()
-            conn.parser.unreader.unread(bytes(incoming.data))
-            return super().handle(conn)
-        if time.monotonic() > incoming.deadline:
+            gsocket.wait_read(client.fileno(), timeout=self.cfg.keepalive)
+        except TimeoutError:  # silent since its last request (or since it connected)
+            raise NoMoreData() from None
+        with gevent.Timeout(self.header_timeout_s, RequestTimeout):
+            yield
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
+        try:
+            return super().handle_request(listener_name, req, sock, addr)
+        except TimeoutError as exc:  # the I/O timeout, or TCP_USER_TIMEOUT: expected, no trace
+            self.log.warning("client gone (%s): connection closed", exc)
+            # gunicorn closes a connection after EPIPE without logging a stack trace.
+            raise BrokenPipeError(errno.EPIPE, "client gone") from exc
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        if isinstance(exc, RequestTimeout):
             self.log.warning("request not sent within the header timeout: closed")
             message = f"the request did not arrive within {self.header_timeout_s:g}s"
             with contextlib.suppress(OSError):
-                write_json_error(conn.sock, 408, "Request Timeout", message)
-            util.close(conn.sock)  # not gunicorn's graceful close: it lingers in the main loop
-            return False
-        return _DEFER
+                write_json_error(client, 408, "Request Timeout", message)
+        else:
+            super().handle_error(req, client, addr, exc)
+        _linger(client)
 
-    def _read_available(self, conn: Any) -> _Incoming | None:
-        """Add what the client has sent so far to the connection's request; None while it has
-        sent nothing. ConnectionError when it closed or reset."""
-        incoming: _Incoming | None = getattr(conn, "exo_incoming", None)
-        while incoming is None or not incoming.whole(self.max_body_bytes):
-            try:
-                data = conn.sock.recv(RECV_BYTES)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                raise ConnectionError from exc
-            if not data:
-                raise ConnectionError
-            if incoming is None:
-                incoming = conn.exo_incoming = _Incoming(time.monotonic() + self.header_timeout_s)
-            incoming.data += data
-        return incoming
+
+def _linger(client: Any) -> None:
+    """Read what the client still sends (the rest of a refused request) for a moment before
+    the close: closing with unread bytes sends a reset, which can destroy the error response
+    before the client reads it."""
+    with contextlib.suppress(OSError), gevent.Timeout(LINGER_S, False):
+        client.shutdown(socket.SHUT_WR)
+        while client.recv(RECV_BYTES):
+            pass

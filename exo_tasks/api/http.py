@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Response, request, stream_with_context
@@ -40,9 +40,14 @@ def _whole_body() -> bytes:
 
 def sse_event(event_id: str, name: str, data: Any) -> str:
     """One server-sent event: its id (a stream position, for Last-Event-ID), name and data."""
-    return f"id: {event_id}\nevent: {name}\ndata: {json.dumps(data)}\n\n"
+    head = f"id: {event_id}\n" if event_id else ""  # none: the resume point stays where it was
+    return f"{head}event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
-def sse_response(chunks: Iterator[str]) -> Response:
+def sse_response(chunks: Iterator[str], *, on_close: Callable[[], None]) -> Response:
+    """A streamed response; `on_close` runs once it has ended, however (the server closes
+    every response, even one whose client left before its first chunk)."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return Response(stream_with_context(chunks), mimetype="text/event-stream", headers=headers)
+    response = Response(stream_with_context(chunks), mimetype="text/event-stream", headers=headers)
+    response.call_on_close(on_close)
+    return response

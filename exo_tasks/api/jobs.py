@@ -9,15 +9,15 @@ from urllib.parse import urlencode
 
 from flask import Blueprint, Response, jsonify, request
 
-from exo_tasks import jobs
+from exo_tasks import jobs, progress
+from exo_tasks.api import streams
 from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
-from exo_tasks.types import DoneEvent, JobRecord, JobStatus
+from exo_tasks.types import MAX_LIST_LIMIT, DoneEvent, JobRecord, JobStatus, utcnow
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
-MAX_LIST_LIMIT = 1000
 # A Redis stream id: milliseconds, then optionally a sequence number, each an unsigned 64-bit.
 STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
 
@@ -34,7 +34,7 @@ def summary(job: JobRecord) -> dict[str, Any]:
 def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
-    job = jobs.submit(context.store, context.celery, context.settings, job_request)
+    job = context.submit(job_request)
     return jsonify(summary(job)), 202
 
 
@@ -50,7 +50,7 @@ def list_jobs() -> Response:
     listed = ctx().store.list_jobs(status=status, limit=limit, before=before)
     if listed is None:
         raise NotFound(f"no job '{before}' among the recent ones", {"field": "before"})
-    response = jsonify([summary(job) for job in listed])
+    response = jsonify([summary(job) for job in with_progress(listed)])
     if len(listed) == limit:
         query = {"limit": limit, "before": listed[-1].id} | ({"status": status} if status else {})
         response.headers["Link"] = f'<{request.path}?{urlencode(query)}>; rel="next"'
@@ -73,7 +73,18 @@ def get_or_404(job_id: str) -> JobRecord:
 
 @bp.get("/<job_id>")
 def get_job(job_id: str) -> Response:
-    return jsonify(public(get_or_404(job_id)))
+    return jsonify(public(with_progress([get_or_404(job_id)])[0]))
+
+
+def with_progress(listed: list[JobRecord]) -> list[JobRecord]:
+    """The jobs, each running one with its tokens, text and timings so far (read from the
+    event streams of the running ones, in one round trip)."""
+    running = [job.id for job in listed if job.status == JobStatus.RUNNING]
+    if not running:
+        return listed
+    histories = ctx().store.event_histories(running)
+    now = utcnow()
+    return [progress.with_progress(job, histories.get(job.id, []), now) for job in listed]
 
 
 @bp.get("/<job_id>/stream")
@@ -82,22 +93,28 @@ def stream_job(job_id: str) -> Response:
     `id:` is its stream position, so `Last-Event-ID` resumes without loss or repetition."""
     get_or_404(job_id)
     after = _resume_after()
-    store = ctx().store
+    context = ctx()
+    release = context.streams.acquire()
+    overflow = streams.close_connection(request.environ)
 
     def events() -> Iterator[str]:
-        for item in jobs.follow(store, job_id, after):
-            if item is None:
-                yield KEEPALIVE
-                continue
-            event_id, event = item
-            data = (
-                public(event.job)
-                if isinstance(event, DoneEvent)
-                else event.model_dump(exclude={"event"})
-            )
-            yield sse_event(event_id, event.event, data)
+        yield KEEPALIVE  # the first byte at once, whatever the job is doing
+        try:
+            for item in streams.follow(context.hub, context.store, job_id, after, overflow):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                event_id, event = item
+                data = (
+                    public(event.job)
+                    if isinstance(event, DoneEvent)
+                    else event.model_dump(exclude={"event"})
+                )
+                yield sse_event(event_id, event.event, data)
+        except streams.StreamOverflow as exc:
+            yield sse_event("", "error", {"type": "stream_overflow", "message": str(exc)})
 
-    return sse_response(events())
+    return sse_response(events(), on_close=release)
 
 
 def _resume_after() -> str:

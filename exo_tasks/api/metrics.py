@@ -82,6 +82,11 @@ class RedisCollector(Collector):
             gauge_waiting.add_metric([model], self.store.queue_depth(model_queue(model)))
         yield gauge_running
         yield gauge_waiting
+        batches = GaugeMetricFamily(
+            "exo_batches_running", "Batches not yet ended (validating, running or ending)."
+        )
+        batches.add_metric([], self.store.open_batch_count())
+        yield batches
 
 
 @bp.get("/metrics")

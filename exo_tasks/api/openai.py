@@ -10,14 +10,15 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel
 
 from exo_tasks import jobs, limits
+from exo_tasks.api import errors, streams
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.errors import openai_error_body
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
@@ -44,10 +45,10 @@ from exo_tasks.openai_types import (
     OpenAIRequest,
     openai_finish_reason,
 )
-from exo_tasks.store import Store
 from exo_tasks.types import (
     DoneEvent,
     JobRecord,
+    JobRequest,
     JobStatus,
     RequeuedEvent,
     TokenEvent,
@@ -184,14 +185,19 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     context = ctx()
     body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
     job_request = jobs.parse_request(context.settings, body.job_fields())
-    job = jobs.submit(context.store, context.celery, context.settings, job_request)
     if body.stream:
-        response = sse_response(
-            _stream(context.store, job, renderer, include_usage=body.include_usage)
+        where = jobs.route(context.store, context.settings, job_request)  # errors keep statuses
+        release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
+        plan = _Stream(
+            context, renderer, streams.close_connection(request.environ), body.include_usage
         )
+        job_id = jobs.new_job_id()
+        response = sse_response(_stream(plan, job_request, job_id, where), on_close=release)
     else:
+        job = context.submit(job_request)
+        job_id = job.id
         response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
-    response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
+    response.headers["X-Exo-Job-Id"] = job_id  # for GET /v1/jobs/<id>, its stream, or a cancel
     return response
 
 
@@ -207,7 +213,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
     limit_s = limits.job_limits(job.request.timeout_s, settings).hard_s + WAIT_SLACK_S
     deadline = time.monotonic() + limit_s
     final: JobRecord | None = None
-    for item in jobs.follow(context.store, job.id):
+    for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
             final = item[1].job
         elif time.monotonic() > deadline:
@@ -228,39 +234,76 @@ def _data(body: BaseModel | dict[str, Any]) -> str:
     return f"data: {text}\n\n"
 
 
+@dataclass
+class _Stream:
+    """How one streamed answer is written."""
+
+    context: ApiContext
+    renderer: Renderer
+    overflow: Callable[[], None]  # ends the connection at once (the client fell behind)
+    include_usage: bool
+
+
 def _stream(
-    store: Store, job: JobRecord, renderer: Renderer, *, include_usage: bool
+    plan: _Stream, job_request: JobRequest, job_id: str, where: jobs.Route
 ) -> Iterator[str]:
+    """The first byte at once, then the job submitted (already routed), then its chunks.
+    Thousands of clients arriving together each get their first byte within moments while
+    their submissions take turns; a submission refused after all (the queue filled meanwhile,
+    Redis went down) ends the stream with the error, in OpenAI's shape."""
+    yield KEEPALIVE
+    try:
+        job = plan.context.submit(job_request, job_id, where)
+    except Exception as exc:  # noqa: BLE001 (the error funnel decides, and logs the unexpected)
+        yield _data(json.loads(errors.handle(exc).get_data()))
+        yield DONE
+        return
+    yield from _job_stream(plan, job)
+
+
+def _job_stream(plan: _Stream, job: JobRecord) -> Iterator[str]:
     """The job as OpenAI stream chunks, a keepalive comment each second nothing happens (a
     queued job, a long prompt), then `data: [DONE]`. If the client goes away, the next write
-    fails, the server closes this generator, and the job is cancelled."""
+    fails, the server closes this generator, and the job is cancelled; so it is if the client
+    falls EXO_STREAM_BUFFER_EVENTS events behind."""
     ended = False
-    sent = Sent()
     try:
-        for opening in renderer.opening(job):
+        for opening in plan.renderer.opening(job):
             yield _data(opening)
-        for item in jobs.follow(store, job.id):
-            if item is None:
-                yield KEEPALIVE
-                continue
-            event = item[1]
-            if isinstance(event, TokenEvent):
-                yield _data(renderer.chunk(job, event, None, sent))
-                sent.add(event)
-            elif isinstance(event, RequeuedEvent) and sent.chars + sent.calls:
-                # The next attempt starts over, and text already sent cannot be taken back:
-                # end this stream (and, below, the job nobody will read).
-                message = f"job {job.id} was requeued after its worker stopped; retry"
-                yield _data(openai_error_body(503, message, code="requeued"))
-                break
-            elif isinstance(event, DoneEvent):
-                ended = True
-                yield from _ending(renderer, job, event.job, include_usage)
-        yield DONE
+        ended = yield from _chunks(plan, job)
+    except streams.StreamOverflow as exc:
+        yield _data(openai_error_body(503, str(exc), code="stream_overflow"))
     finally:
         if not ended:
             with contextlib.suppress(ExoError):
-                jobs.cancel(store, job.id)
+                jobs.cancel(plan.context.store, job.id)
+
+
+def _chunks(plan: _Stream, job: JobRecord) -> Generator[str, None, bool]:
+    """The job's chunks, up to `data: [DONE]`; True if its job ended."""
+    ended = False
+    sent = Sent()
+    renderer = plan.renderer
+    follow = streams.follow(plan.context.hub, plan.context.store, job.id, on_overflow=plan.overflow)
+    for item in follow:
+        if item is None:
+            yield KEEPALIVE
+            continue
+        event = item[1]
+        if isinstance(event, TokenEvent):
+            yield _data(renderer.chunk(job, event, None, sent))
+            sent.add(event)
+        elif isinstance(event, RequeuedEvent) and sent.chars + sent.calls:
+            # The next attempt starts over, and text already sent cannot be taken back:
+            # end this stream (and, above, the job nobody will read).
+            message = f"job {job.id} was requeued after its worker stopped; retry"
+            yield _data(openai_error_body(503, message, code="requeued"))
+            break
+        elif isinstance(event, DoneEvent):
+            ended = True
+            yield from _ending(renderer, job, event.job, plan.include_usage)
+    yield DONE
+    return ended
 
 
 def _ending(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
 
@@ -28,6 +27,8 @@ from exo_tasks.api.models import (
     RunnerShutdownBody,
     RunnerShutdownReply,
 )
+from exo_tasks.api.openapi_batches import BATCH_ROUTES
+from exo_tasks.api.openapi_ops import JSON, Op, Reply
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.openai_types import (
     ChatCompletion,
@@ -40,7 +41,6 @@ from exo_tasks.openai_types import (
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
 bp = Blueprint("openapi", __name__)
-JSON = "application/json"
 SSE = "text/event-stream"
 PROMETHEUS = "text/plain"
 # A body model and how it is used (read from a request, or written to a response) → its $ref.
@@ -70,31 +70,6 @@ class OpenAIErrorReply(BaseModel):
     """The error shape of the OpenAI-compatible routes, as OpenAI's clients read it."""
 
     error: OpenAIErrorDetail
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A response: a model (or a list of them), or text of a media type."""
-
-    model: type[BaseModel] | None = None
-    many: bool = False
-    media: str = JSON
-    description: str = "OK"
-    or_events: bool = False  # or, when asked to stream, server-sent events
-
-
-@dataclass(frozen=True)
-class Op:
-    method: str
-    path: str
-    summary: str
-    replies: dict[int, Reply]
-    body: type[BaseModel] | None = None
-    body_required: bool = True
-    errors: tuple[int, ...] = ()
-    query: dict[str, dict[str, Any]] = field(default_factory=dict)
-    openai: bool = False  # errors in OpenAI's shape
-    public: bool = False  # open without the API token
 
 
 def _command(
@@ -209,6 +184,7 @@ ROUTES: tuple[Op, ...] = (
         errors=(404,),
         openai=True,
     ),
+    *BATCH_ROUTES,
 )
 
 
@@ -251,7 +227,7 @@ def _operation(op: Op, refs: Refs) -> dict[str, Any]:
     if op.body is not None:
         operation["requestBody"] = {
             "required": op.body_required,
-            "content": {"application/json": {"schema": refs[(op.body, "validation")]}},
+            "content": {op.body_media: {"schema": refs[(op.body, "validation")]}},
         }
     if op.public:
         operation["security"] = []

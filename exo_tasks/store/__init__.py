@@ -5,6 +5,7 @@
 - `runners`: runner state and history, inboxes, and the hand-over of a job to a runner.
 - `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes.
 - `metrics`: metric persistence.
+- `files`, `batches`: OpenAI's Files and Batch API (exo_tasks.batch_feeder drives batches).
 kombu's own layout (queues, unacknowledged messages) is exo_tasks.broker's alone.
 """
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import redis
 
+from exo_tasks.store.batches import BatchRecords
 from exo_tasks.store.client import connect, is_out_of_memory, redis_waits
+from exo_tasks.store.files import FileRecords
 from exo_tasks.store.hosts import HostRecords
 from exo_tasks.store.jobs import JobWhereabouts
 from exo_tasks.store.keys import (
@@ -41,7 +44,7 @@ __all__ = [
 ]
 
 
-class Store(RunnerRecords, HostRecords):
+class Store(RunnerRecords, HostRecords, FileRecords, BatchRecords):
     """Typed access to everything exo_tasks keeps in Redis."""
 
     @classmethod

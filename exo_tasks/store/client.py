@@ -7,15 +7,22 @@ from typing import Any
 import redis
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, *, max_connections: int | None = None) -> redis.Redis:
+    """A client of its own pool; `max_connections`: a pool of at most that many, where a
+    command waits (up to the socket timeout) for a free connection instead of opening one."""
     # Short connect timeout: with Redis down, callers fail fast instead of hanging.
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_connect_timeout=1.0,
-        socket_timeout=10.0,
-        health_check_interval=30,
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_connect_timeout": 1.0,
+        "socket_timeout": 10.0,
+        "health_check_interval": 30,
+    }
+    if max_connections is None:
+        return redis.Redis.from_url(url, **options)
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=10.0, **options
     )
+    return redis.Redis(connection_pool=pool)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

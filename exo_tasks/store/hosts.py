@@ -72,10 +72,10 @@ class HostRecords(RedisPart):
         host = self.get_host(job.host)
         return host is not None and host.incarnation == job.owner
 
-    def hold_lease(self, holder: str, ttl_s: float) -> bool:
-        """Take or keep the recovery loop's lease (one holder at a time; it lapses after
-        `ttl_s` unless renewed)."""
-        return bool(self.script(LEASE)(keys=[RECOVERY_LEASE], args=[holder, int(ttl_s * 1000)]))
+    def hold_lease(self, holder: str, ttl_s: float, key: str = RECOVERY_LEASE) -> bool:
+        """Take or keep a lease: the recovery loop's, or another `key` (one holder at a time;
+        it lapses after `ttl_s` unless renewed)."""
+        return bool(self.script(LEASE)(keys=[key], args=[holder, int(ttl_s * 1000)]))
 
     def fleet(self) -> tuple[list[HostState], list[RunnerState]]:
         """The hosts whose heartbeat has not expired (expired ones are forgotten) and every

@@ -297,6 +297,16 @@ class JobRecords(MetricRecords):
             (entry_id, _event_adapter.validate_json(fields["data"])) for entry_id, fields in entries
         ]
 
+    def event_histories(self, job_ids: list[str]) -> dict[str, list[tuple[str, JobEvent]]]:
+        """The whole event stream of each job, in one round trip (progress of running jobs)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.xrange(events_key(job_id))
+        return {
+            job_id: [(entry_id, _event_adapter.validate_json(f["data"])) for entry_id, f in entries]
+            for job_id, entries in zip(job_ids, pipe.execute(), strict=True)
+        }
+
     def last_event(self, job_id: str) -> tuple[str, JobEvent] | None:
         """The last event of the job's stream, if any."""
         entries = self.redis.xrevrange(events_key(job_id), count=1)

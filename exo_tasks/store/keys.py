@@ -54,3 +54,28 @@ def host_key(host: str) -> str:
 def supervisor_key(host: str) -> str:
     """A list: requests to the host's runner supervisor."""
     return f"{PREFIX}:supervisor:{host}"
+
+
+# Files (OpenAI's Files API): ids scored by creation time; each file's metadata (a hash) and
+# its bytes (a string, so that a batch reads one line with GETRANGE).
+FILES = f"{PREFIX}:files"
+# Batches: ids scored by creation time, the ones the feeder still has to drive, its lease.
+BATCHES = f"{PREFIX}:batches"
+BATCHES_OPEN = f"{PREFIX}:batches:open"
+BATCH_FEEDER_LEASE = f"{PREFIX}:batches:lease"
+
+FilePart = Literal["content"]
+BatchPart = Literal["spans", "inflight", "results"]
+
+
+def file_key(file_id: str, part: FilePart | None = None) -> str:
+    key = f"{PREFIX}:file:{file_id}"
+    return key if part is None else f"{key}:{part}"
+
+
+def batch_key(batch_id: str, part: BatchPart | None = None) -> str:
+    """The batch's hash (`status`, `record`, `cursor`, `completed`, `failed`), or one of its
+    parts while it runs: the byte `spans` of its requests in the input file (a list), the line
+    numbers `inflight` as jobs (a set), and each ended line's `results` (a hash)."""
+    key = f"{PREFIX}:batch:{batch_id}"
+    return key if part is None else f"{key}:{part}"

@@ -1,0 +1,118 @@
+"""OpenAI's Files API: upload a batch's input (multipart, `purpose: batch`), list, read,
+download and delete files. Files live in Redis (exo_tasks.store.files), so every API process
+and every host sees the same ones. Errors take OpenAI's shape (exo_tasks.api.errors)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from flask import Blueprint, Response, jsonify, request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from exo_tasks.api.context import ctx
+from exo_tasks.batch_types import FileDeleted, FileList, FileObject
+from exo_tasks.errors import BadRequest, ExoError, InvalidRequest, NotFound
+
+bp = Blueprint("files", __name__, url_prefix="/v1")
+# A multipart body holds the file and a little more: its part headers and the purpose field.
+MULTIPART_SLACK_BYTES = 64 << 10
+MAX_PAGE = 10_000
+
+
+class FileTooLarge(ExoError):
+    status = 413
+    type = "file_too_large"
+
+
+@bp.post("/files")
+def upload() -> Response:
+    settings = ctx().settings
+    limit = settings.batch_max_file_bytes
+    too_large = FileTooLarge(
+        f"the file is larger than {limit} bytes (EXO_BATCH_MAX_FILE_BYTES)", {"field": "file"}
+    )
+    # This route's own cap, instead of EXO_MAX_BODY_BYTES (werkzeug reads chunked bodies to it).
+    request.max_content_length = limit + MULTIPART_SLACK_BYTES
+    try:
+        purpose, upload = request.form.get("purpose"), request.files.get("file")
+    except RequestEntityTooLarge:
+        raise too_large from None
+    if purpose != "batch":
+        raise InvalidRequest("purpose must be 'batch'", {"field": "purpose"})
+    if upload is None:
+        raise InvalidRequest("a multipart part 'file' is required", {"field": "file"})
+    data = upload.read(limit + 1)
+    if len(data) > limit:
+        raise too_large
+    meta = FileObject(
+        id=f"file-{uuid.uuid4().hex}",
+        bytes=len(data),
+        created_at=int(time.time()),
+        filename=upload.filename or "file.jsonl",
+        purpose="batch",
+    )
+    ctx().store.put_file(meta, _text(data, settings.batch_max_lines))
+    return jsonify(meta.model_dump(mode="json"))
+
+
+def _text(data: bytes, max_lines: int) -> str:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("the file must be UTF-8 text (JSONL)", {"field": "file"}) from None
+    lines = sum(1 for line in text.split("\n") if line.strip())
+    if lines > max_lines:
+        message = f"the file holds {lines} requests, more than {max_lines} (EXO_BATCH_MAX_LINES)"
+        raise InvalidRequest(message, {"field": "file"})
+    return text
+
+
+@bp.get("/files")
+def list_files() -> Response:
+    after, limit = page_args(MAX_PAGE, MAX_PAGE)
+    page = ctx().store.list_files(after, limit)
+    if page is None:
+        raise NotFound(f"no file '{after}'", {"field": "after"})
+    files, more = page
+    first, last = (files[0].id, files[-1].id) if files else (None, None)
+    listed = FileList(data=files, first_id=first, last_id=last, has_more=more)
+    return jsonify(listed.model_dump(mode="json"))
+
+
+@bp.get("/files/<file_id>")
+def get_file(file_id: str) -> Response:
+    return jsonify(_file_or_404(file_id).model_dump(mode="json"))
+
+
+@bp.get("/files/<file_id>/content")
+def file_content(file_id: str) -> Response:
+    meta = _file_or_404(file_id)
+    content = ctx().store.file_content(file_id)
+    if content is None:  # deleted meanwhile
+        raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
+    headers = {"Content-Disposition": f'attachment; filename="{meta.filename}"'}
+    return Response(content, mimetype="application/octet-stream", headers=headers)
+
+
+@bp.delete("/files/<file_id>")
+def delete_file(file_id: str) -> Response:
+    if not ctx().store.delete_file(file_id):
+        raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
+    return jsonify(FileDeleted(id=file_id).model_dump(mode="json"))
+
+
+def _file_or_404(file_id: str) -> FileObject:
+    meta = ctx().store.get_file(file_id)
+    if meta is None:
+        raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
+    return meta
+
+
+def page_args(default: int, maximum: int) -> tuple[str | None, int]:
+    """`after` (the last id of the previous page) and `limit`, as OpenAI's list routes take
+    them."""
+    raw = request.args.get("limit", str(default))
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= maximum:
+        raise BadRequest(f"limit must be an integer from 1 to {maximum}", {"field": "limit"})
+    return request.args.get("after") or None, int(raw)

@@ -1,0 +1,254 @@
+"""Open event streams, cheaply: one Redis reader per API process for every stream it serves.
+
+Each open stream (`/v1/jobs/<id>/stream`, a streamed OpenAI completion, a non-streamed one
+waiting for its job) subscribes to its job's events here instead of holding a Redis connection
+in a blocking XREAD of its own. One reader (a thread; a greenlet under gunicorn's gevent
+worker) reads every subscribed job's stream with one XREAD and hands each event to the
+subscribers of that job, so the Redis connections of an API process do not grow with its
+streams. Each subscriber buffers at most EXO_STREAM_BUFFER_EVENTS events: one whose client
+reads slower than its job generates is cut off (`StreamOverflow`) instead of growing without
+bound, and the runner never waits for anyone. `StreamCap` counts open streams against
+EXO_MAX_STREAMS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from pydantic import TypeAdapter
+
+from exo_tasks.errors import StreamsFull
+from exo_tasks.store import Store, events_key
+from exo_tasks.types import DoneEvent, JobEvent
+
+log = logging.getLogger("exo_tasks.api.streams")
+_event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
+
+# The reader's XREAD waits this long for any event: a stream that joins meanwhile gets its
+# first events at most this late (its first byte, a keepalive, goes out at once).
+READ_SLICE_MS = 200
+# Entries taken per stream and read: one reply stays small even when many jobs run.
+READ_COUNT = 256
+# While events flow, each XREAD returns at once and names every open stream's job again: reads
+# are spaced by this much per stream read (at most MAX_READ_GAP_S), so that a few thousand
+# streams cost Redis and this process a bounded number of key reads per second, at the price
+# of events arriving in slightly larger bunches.
+READ_GAP_PER_STREAM_S = 50e-6
+MAX_READ_GAP_S = 0.1
+STREAMS_FULL_RETRY_AFTER_S = 1
+# A stream with nothing to send writes a keepalive this often: a client gone without a FIN is
+# noticed by the write that the kernel gives up on (see gunicorn_worker.py).
+KEEPALIVE_S = 1.0
+Entry = tuple[str, JobEvent]
+
+
+def stream_id(raw: str) -> tuple[int, int]:
+    """A Redis stream id as a comparable pair (a bare millisecond count means sequence 0)."""
+    ms, _, seq = raw.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class StreamOverflow(Exception):
+    """A stream's client fell EXO_STREAM_BUFFER_EVENTS events behind its job."""
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One stream's view of its job's events: those after `last`, buffered up to `limit`."""
+
+    job_id: str
+    last: tuple[int, int]
+    limit: int
+    lock: threading.Lock
+    on_overflow: Callable[[], None] = lambda: None
+    items: deque[Entry] = field(default_factory=deque)
+    overflowed: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def offer(self, entry_id: str, event: JobEvent) -> None:
+        """Called by the reader, under the hub's lock. An event seen already is dropped."""
+        position = stream_id(entry_id)
+        if position <= self.last or self.overflowed:
+            return
+        self.last = position
+        if len(self.items) >= self.limit:
+            self.overflowed = True
+            self.items.clear()  # the stream ends: its backlog is of no use to anyone
+            self.on_overflow()
+        else:
+            self.items.append((entry_id, event))
+        self.ready.set()
+
+    def take(self, timeout_s: float) -> list[Entry]:
+        """The events buffered so far, waiting up to `timeout_s` for one; [] if none came."""
+        self.ready.wait(timeout_s)
+        with self.lock:
+            taken = list(self.items)
+            self.items.clear()
+            self.ready.clear()
+            if self.overflowed:
+                raise StreamOverflow(
+                    f"the client fell {self.limit} events behind the job (EXO_STREAM_BUFFER_EVENTS)"
+                )
+        return taken
+
+
+class EventHub:
+    """The one reader of an API process, and the subscriptions it feeds."""
+
+    def __init__(self, connect: Callable[[], redis.Redis], buffer_events: int) -> None:
+        self._connect = connect
+        self.buffer_events = buffer_events
+        self._lock = threading.Lock()
+        self._subscribers: dict[str, set[Subscription]] = {}
+        self._cursors: dict[str, str] = {}  # job id → the last stream id read for it
+        self._wake = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    @property
+    def subscribed_jobs(self) -> int:
+        return len(self._subscribers)
+
+    @contextlib.contextmanager
+    def subscribe(
+        self, job_id: str, after: str, on_overflow: Callable[[], None] = lambda: None
+    ) -> Iterator[Subscription]:
+        """Events of the job after stream id `after`, for as long as the block lasts.
+        `on_overflow` is called (by the reader) when the subscriber falls too far behind."""
+        sub = Subscription(job_id, stream_id(after), self.buffer_events, self._lock, on_overflow)
+        with self._lock:
+            self._subscribers.setdefault(job_id, set()).add(sub)
+            cursor = self._cursors.get(job_id)
+            # Reading again from an earlier point is harmless: subscribers drop repeats.
+            if cursor is None or stream_id(after) < stream_id(cursor):
+                self._cursors[job_id] = after
+            self._start_reader()
+        self._wake.set()
+        try:
+            yield sub
+        finally:
+            with self._lock:
+                subscribers = self._subscribers.get(job_id, set())
+                subscribers.discard(sub)
+                if not subscribers:
+                    self._subscribers.pop(job_id, None)
+                    self._cursors.pop(job_id, None)
+
+    def _start_reader(self) -> None:
+        # Started at first use, in the process that serves (gunicorn forks after importing).
+        if self._reader is None or not self._reader.is_alive():
+            self._reader = threading.Thread(target=self._run, name="exo-event-hub", daemon=True)
+            self._reader.start()
+
+    def _run(self) -> None:
+        client = self._connect()
+        while True:
+            with self._lock:
+                jobs = {events_key(job_id): job_id for job_id in self._cursors}
+                streams: dict[Any, Any] = {k: self._cursors[j] for k, j in jobs.items()}
+            if not streams:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            started = time.monotonic()
+            try:
+                reply: Any = client.xread(streams, count=READ_COUNT, block=READ_SLICE_MS)
+            except redis.RedisError:
+                log.exception("reading the job streams failed; retrying in 1 s")
+                time.sleep(1.0)
+                continue
+            for key, entries in reply or []:
+                self._dispatch(jobs[key], entries)
+            gap_s = min(MAX_READ_GAP_S, READ_GAP_PER_STREAM_S * len(streams))
+            time.sleep(max(0.0, started + gap_s - time.monotonic()))
+
+    def _dispatch(self, job_id: str, entries: list[tuple[str, dict[str, str]]]) -> None:
+        parsed = [(entry_id, _event_adapter.validate_json(f["data"])) for entry_id, f in entries]
+        with self._lock:
+            if job_id not in self._cursors:
+                return  # its last stream closed meanwhile
+            self._cursors[job_id] = parsed[-1][0]
+            for sub in self._subscribers[job_id]:
+                for entry_id, event in parsed:
+                    sub.offer(entry_id, event)
+
+
+class StreamCap:
+    """Open streams of this process against EXO_MAX_STREAMS."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Callable[[], None]:
+        """Count one more stream, or StreamsFull (503) at once; returns its release (safe to
+        call more than once)."""
+        with self._lock:
+            if self.open >= self.limit:
+                raise StreamsFull(
+                    f"this API process has {self.open} streams open, the most allowed "
+                    f"(EXO_MAX_STREAMS={self.limit})",
+                    retry_after_s=STREAMS_FULL_RETRY_AFTER_S,
+                )
+            self.open += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self.open -= 1
+
+        return release
+
+
+def close_connection(environ: dict[str, Any]) -> Callable[[], None]:
+    """What ends a request's connection at once, from any thread or greenlet: a write blocked
+    on a client that stopped reading then fails, and the response is closed."""
+    sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
+
+    def close() -> None:
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    return close
+
+
+def follow(
+    hub: EventHub,
+    store: Store,
+    job_id: str,
+    after: str = "0-0",
+    on_overflow: Callable[[], None] = lambda: None,
+) -> Iterator[tuple[str, JobEvent] | None]:
+    """A job's events through the hub: those after stream id `after` up to its last
+    (DoneEvent), None for each second without one (a keepalive). A reader that resumed past
+    the end of an ended job's stream gets its last event again. If the caller falls
+    EXO_STREAM_BUFFER_EVENTS events behind, `on_overflow` is called at once (by the reader)
+    and the caller gets StreamOverflow at its next read."""
+    last = store.last_event(job_id)
+    ended = last is not None and isinstance(last[1], DoneEvent)
+    if last is not None and ended and stream_id(last[0]) <= stream_id(after):
+        yield last
+        return
+    with hub.subscribe(job_id, after, on_overflow) as sub:
+        while True:
+            batch = sub.take(KEEPALIVE_S)
+            if not batch:
+                yield None
+            for event_id, event in batch:
+                yield event_id, event
+                if isinstance(event, DoneEvent):
+                    return

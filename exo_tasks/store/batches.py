@@ -1,0 +1,164 @@
+"""Batches (OpenAI's Batch API) in Redis: each batch's record, and while it runs the parts its
+feeder keeps (exo_tasks.batch_feeder): where each request is in the input file, which lines
+are jobs now, and how each line ended.
+
+Exactly once: a line's result is written with HSETNX, so however often a feeder that was
+killed goes over the same line again, the line has one result and is counted once.
+"""
+
+from __future__ import annotations
+
+from exo_tasks.batch_types import Batch, BatchStatus, RequestCounts
+from exo_tasks.store.client import RedisPart
+from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key, job_key
+from exo_tasks.types import JobRecord
+
+# KEYS: batch hash. ARGV: new status, record, then the statuses it may move from.
+MOVE = """
+local current = redis.call('HGET', KEYS[1], 'status')
+for i = 3, #ARGV do
+  if current == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+
+# KEYS: results hash, batch hash, inflight set. ARGV: line, result, counter field.
+RESULT = """
+local written = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+if written == 1 then redis.call('HINCRBY', KEYS[2], ARGV[3], 1) end
+redis.call('SREM', KEYS[3], ARGV[1])
+return written
+"""
+OK, FAILED = "o", "e"  # a result's first character: the output file's or the error file's
+SPANS_PER_PUSH = 5000
+
+
+class BatchRecords(RedisPart):
+    def create_batch(self, batch: Batch) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        record = {"status": batch.status, "record": batch.model_dump_json()}
+        pipe.hset(batch_key(batch.id), mapping=record)
+        pipe.zadd(BATCHES, {batch.id: batch.created_at})
+        pipe.sadd(BATCHES_OPEN, batch.id)
+        pipe.execute()
+
+    def get_batch(self, batch_id: str) -> Batch | None:
+        """The batch, its request counts as they are now."""
+        record, completed, failed = self.redis.hmget(
+            batch_key(batch_id), "record", "completed", "failed"
+        )
+        if record is None:
+            return None
+        batch = Batch.model_validate_json(record)
+        if not batch.ended:
+            counts = RequestCounts(
+                total=batch.request_counts.total,
+                completed=int(completed or 0),
+                failed=int(failed or 0),
+            )
+            batch = batch.model_copy(update={"request_counts": counts})
+        return batch
+
+    def list_batches(self, after: str | None, limit: int) -> tuple[list[Batch], bool] | None:
+        """Batches newest first, from the one after `after`; whether more follow."""
+        start = 0
+        if after is not None:
+            rank = self.redis.zrevrank(BATCHES, after)
+            if rank is None:
+                return None
+            start = rank + 1
+        ids = self.redis.zrevrange(BATCHES, start, start + limit)
+        batches = [b for b in (self.get_batch(i) for i in ids[:limit]) if b is not None]
+        return batches, len(ids) > limit
+
+    def move_batch(self, batch: Batch, *allowed_from: BatchStatus) -> bool:
+        """Store `batch` if its stored status is one of `allowed_from` (compare-and-set: the
+        API's cancel and the feeder never overwrite each other)."""
+        args = [batch.status, batch.model_dump_json(), *allowed_from]
+        return bool(self.script(MOVE)(keys=[batch_key(batch.id)], args=args))
+
+    def open_batches(self) -> list[str]:
+        """The batches not yet ended, oldest first."""
+        ids = self.redis.smembers(BATCHES_OPEN)
+        scores = self.redis.zmscore(BATCHES, list(ids)) if ids else []
+        return [i for _, i in sorted(zip((s or 0 for s in scores), ids, strict=True))]
+
+    def open_batch_count(self) -> int:
+        return int(self.redis.scard(BATCHES_OPEN))
+
+    # --- the feeder's parts ---
+
+    def set_spans(self, batch_id: str, spans: list[tuple[int, int]]) -> None:
+        key = batch_key(batch_id, "spans")
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(key)
+        for i in range(0, len(spans), SPANS_PER_PUSH):
+            pipe.rpush(key, *(f"{a} {b}" for a, b in spans[i : i + SPANS_PER_PUSH]))
+        pipe.execute()
+
+    def input_lines(self, batch_id: str, file_id: str, lines: list[int]) -> list[str]:
+        """The raw text of some of a batch's requests, in two round trips."""
+        pipe = self.redis.pipeline(transaction=False)
+        for line in lines:
+            pipe.lindex(batch_key(batch_id, "spans"), line)
+        spans = [span.split() for span in pipe.execute()]
+        pipe = self.redis.pipeline(transaction=False)
+        for start, end in spans:
+            pipe.getrange(file_key(file_id, "content"), int(start), int(end) - 1)
+        texts: list[str] = pipe.execute()
+        return texts
+
+    def cursor(self, batch_id: str) -> int:
+        """The next line to send as a job."""
+        return int(self.redis.hget(batch_key(batch_id), "cursor") or 0)
+
+    def take_lines(self, batch_id: str, jobs: list[int], cursor: int) -> None:
+        """The cursor moves to `cursor`: the lines before it are jobs now (`jobs`) or have
+        their results."""
+        pipe = self.redis.pipeline(transaction=True)
+        if jobs:
+            pipe.sadd(batch_key(batch_id, "inflight"), *jobs)
+        pipe.hset(batch_key(batch_id), "cursor", cursor)
+        pipe.execute()
+
+    def job_records(self, job_ids: list[str]) -> list[JobRecord | None]:
+        """Jobs' records in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(job_key(job_id), "record")
+        return [JobRecord.model_validate_json(raw) if raw else None for raw in pipe.execute()]
+
+    def inflight(self, batch_id: str) -> list[int]:
+        return sorted(int(i) for i in self.redis.smembers(batch_key(batch_id, "inflight")))
+
+    def write_results(self, batch_id: str, results: list[tuple[int, bool, str]]) -> list[bool]:
+        """Each (line, ok, result) unless the line has a result already, in one round trip;
+        whether each was written."""
+        keys = [batch_key(batch_id, p) for p in ("results", None, "inflight")]
+        pipe = self.redis.pipeline(transaction=False)
+        for line, ok, result in results:
+            args = [line, (OK if ok else FAILED) + result, "completed" if ok else "failed"]
+            pipe.eval(RESULT, len(keys), *keys, *args)
+        return [bool(written) for written in pipe.execute()]
+
+    def lines_with_results(self, batch_id: str) -> set[int]:
+        return {int(line) for line in self.redis.hkeys(batch_key(batch_id, "results"))}
+
+    def results(self, batch_id: str) -> tuple[list[str], list[str]]:
+        """The output and error lines, each in input order."""
+        stored = self.redis.hgetall(batch_key(batch_id, "results"))
+        ordered = [stored[k] for k in sorted(stored, key=int)]
+        return [r[1:] for r in ordered if r[0] == OK], [r[1:] for r in ordered if r[0] == FAILED]
+
+    def close_batch(self, batch: Batch, ended_from: BatchStatus) -> bool:
+        """Store the ended batch (from `ended_from`), and drop what its feeder kept."""
+        if not self.move_batch(batch, ended_from):
+            return False
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(*(batch_key(batch.id, part) for part in ("spans", "inflight", "results")))
+        pipe.srem(BATCHES_OPEN, batch.id)
+        pipe.execute()
+        return True

@@ -1,0 +1,99 @@
+"""How an inference task shows in Celery's result backend and in Flower: `STARTED` while its job
+runs (with the job's progress), then its job's own ending: `SUCCESS` for a succeeded job,
+`REVOKED` for a cancelled one, `FAILURE` naming the reason for a failed or timed-out one.
+
+Flower takes a task's state from events, and a custom state (such as `PROGRESS`) outranks
+`REVOKED` in Celery's event merge, hides the task from Flower's "Started" filter and takes
+away its Terminate button: progress is reported as `STARTED`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from celery import Task, states
+from celery.exceptions import Ignore
+from kombu.exceptions import KombuError
+
+from exo_tasks.types import JobRecord, JobStatus
+
+log = logging.getLogger("exo_tasks.tasks")
+# A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
+# CPU (a pool child per job); Flower needs no more than this.
+PROGRESS_EVERY_S = 2.0
+
+
+class JobEnded(Exception):
+    """The task's FAILURE: its job ended `failed` or `timed_out` (the message says why). No
+    ExoError on purpose: the task fails its job on an ExoError, and this job has ended."""
+
+
+class TaskProgress:
+    """A job's tokens so far, as its task's `STARTED` state (meta `tokens`, `max_tokens`) for
+    result readers and a `task-started` event carrying it as `result` for Flower, at most every
+    PROGRESS_EVERY_S and only as a best effort. The tokens are the events in the job's stream
+    since the attempt began."""
+
+    def __init__(self, task: Task[Any, Any], max_tokens: int, events_before: int) -> None:
+        self.task = task
+        self.max_tokens = max_tokens
+        self.events_before = events_before
+        self.tokens = 0
+        # The event would otherwise move Flower's "started" time to each report's.
+        self.started_at = time.time()
+        self.reported_at = time.monotonic()
+        self._store({"tokens": 0, "max_tokens": max_tokens})
+
+    def update(self, events: int) -> None:
+        tokens = events - self.events_before
+        now = time.monotonic()
+        if tokens == self.tokens or now - self.reported_at < PROGRESS_EVERY_S:
+            return
+        self.tokens, self.reported_at = tokens, now
+        meta = {"tokens": tokens, "max_tokens": self.max_tokens}
+        if self._store(meta):
+            # Flower shows a task's `result` as a repr, as in task-succeeded events.
+            _send(self.task, "task-started", result=repr(meta), started=self.started_at)
+
+    def _store(self, meta: dict[str, int]) -> bool:
+        try:
+            self.task.update_state(state=states.STARTED, meta=meta)
+            return True
+        except (redis.RedisError, KombuError) as exc:
+            log.warning("progress not reported", extra={"error": str(exc)})
+            return False
+
+
+def finish(task: Task[Any, Any], job_id: str, job: JobRecord | None) -> dict[str, Any]:
+    """End the task as its job ended. A succeeded job (or an unknown one) is the task's result;
+    a cancelled one makes the task `REVOKED` (stored and announced here, then the task is
+    ignored so that Celery stores nothing over it); a failed or timed-out one raises JobEnded,
+    the task's FAILURE. A job still running (a duplicate message, while another attempt runs
+    it) leaves the task's state to that attempt."""
+    if job is None:  # unknown, or expired
+        return {"job_id": job_id, "status": "unknown"}
+    if job.status == JobStatus.CANCELLED:
+        _revoked(task, job_id)
+        raise Ignore()
+    if job.status in (JobStatus.FAILED, JobStatus.TIMED_OUT):
+        raise JobEnded(f"job {job.status}: {job.error or job.output.finish_reason}")
+    if not job.is_terminal:
+        raise Ignore()
+    return {"job_id": job.id, "status": job.status, "finish_reason": job.output.finish_reason}
+
+
+def _revoked(task: Task[Any, Any], job_id: str) -> None:
+    try:
+        task.backend.mark_as_revoked(job_id, "cancelled", request=task.request)
+    except (redis.RedisError, KombuError) as exc:
+        log.warning("revoked state not stored", extra={"job_id": job_id, "error": str(exc)})
+    _send(task, "task-revoked", terminated=False, signum=None, expired=False)
+
+
+def _send(task: Task[Any, Any], event: str, **fields: Any) -> None:
+    try:
+        task.send_event(event, retry=False, **fields)
+    except (redis.RedisError, KombuError) as exc:
+        log.warning("task event not sent", extra={"event": event, "error": str(exc)})

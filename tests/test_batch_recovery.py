@@ -1,0 +1,66 @@
+"""A batch through a worker SIGKILL (the worker holding the feeder's lease, its pool children
+and runner going with it) and an API restart: it still completes, every line exactly once in
+its output or error file. A Redis of its own, so that the only feeder is the one killed."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from pathlib import Path
+
+from exo_tasks.batch_jobs import line_job_id
+from exo_tasks.store import Store
+from tests.support.api import api_settings, serving
+from tests.support.batches import chat_line, read_file, start, wait_status
+from tests.support.clients import client_for
+from tests.support.processes import Processes, start_redis, wait_until
+from tests.support.workers import new_worker
+
+LINES = 300
+
+
+def running(store: Store, batch_id: str) -> bool:
+    jobs = store.job_records([line_job_id(batch_id, i) for i in store.inflight(batch_id)])
+    return any(job is not None and job.status == "running" for job in jobs)
+
+
+def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
+    processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    redis = start_redis(processes, tmp_path / "redis")
+    store = Store.from_url(redis.url)
+    worker = new_worker(processes, redis.url, store, "bk-1", [tiny_model], tmp_path)
+    lines = [chat_line(f"k{i}", f"n{i}", max_tokens=24, ignore_eos=True) for i in range(LINES)]
+    settings = api_settings(redis.url, [tiny_model])
+    with serving(settings) as api, client_for(api) as client:
+        batch_id = start(client, lines).id
+
+        def done_at_least(count: int) -> bool:
+            counts = client.batches.retrieve(batch_id).request_counts
+            return counts is not None and counts.completed >= count
+
+        wait_until(lambda: done_at_least(30), 120, "30 lines done", interval_s=0.2)
+        # Mid-batch: jobs running, the feeder's lease held by this worker. The API goes too.
+        wait_until(lambda: running(store, batch_id), 30, "a line's job running")
+    worker.process.send_signal(signal.SIGKILL)
+    worker.process.wait(timeout=10)
+    assert store.inflight(batch_id), "the kill lands with lines in flight"
+    with serving(settings) as api, client_for(api) as client:
+        assert client.batches.retrieve(batch_id).status == "in_progress"
+        new_worker(processes, redis.url, store, "bk-1", [tiny_model], tmp_path)
+        batch = wait_status(client, batch_id, {"completed", "failed", "cancelled"}, 120)
+        assert batch.status == "completed", batch
+        output = read_file(client, batch.output_file_id)
+        errors = read_file(client, batch.error_file_id)
+    seen = Counter(line["custom_id"] for line in output + errors)
+    assert set(seen) == {f"k{i}" for i in range(LINES)}
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+    assert not errors, errors[:3]  # the requeued jobs ran again and succeeded
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
+    attempts = [store.get_job(line_job_id(batch_id, i)) for i in range(LINES)]
+    assert any(job is not None and job.attempts >= 1 for job in attempts), "none was requeued"
+    # Each line's job ran its request once to the end: requeued ones start over.
+    for line in output:
+        usage = line["response"]["body"]["usage"]
+        assert usage["completion_tokens"] == 24

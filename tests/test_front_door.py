@@ -1,0 +1,267 @@
+"""The API's front door: open streams cost no thread and no Redis connection each, a full
+house says so at once (503, Retry-After) while health stays open, a stream that falls behind
+is cut off, a vanished client is noticed, and a running job shows its progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+
+from config.settings import Settings
+from exo_tasks.api.streams import EventHub, StreamOverflow
+from exo_tasks.store import Store, connect, events_key
+from exo_tasks.types import JobRecord, JobRequest, TokenEvent
+from tests.conftest import Stack
+from tests.support.clients import HOST_A
+from tests.support.processes import (
+    EXO_TASKS,
+    Processes,
+    RedisServer,
+    exo_env,
+    free_port,
+    start_redis,
+    wait_http,
+    wait_until,
+)
+
+STREAMS = 300  # a few hundred: `make bench` opens thousands
+JOBS = 3
+IO_TIMEOUT_S: float = Settings.model_fields["api_io_timeout_s"].default
+POOL: int = Settings.model_fields["api_redis_connections"].default
+BUFFER_EVENTS: int = Settings.model_fields["stream_buffer_events"].default
+
+
+@dataclass
+class FrontDoor:
+    """`exo-tasks api` (gunicorn, one worker, EXO_MAX_STREAMS=STREAMS) on a Redis of its own,
+    with JOBS jobs that stay queued (no worker): their streams send keepalives only."""
+
+    port: int
+    redis: redis.Redis
+    job_ids: list[str]
+
+    def open_stream(self, job_id: str) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        sock.sendall(f"GET /v1/jobs/{job_id}/stream HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        return sock
+
+    def redis_clients(self) -> int:
+        """Connections to this Redis, but the test's own."""
+        return len(self.redis.client_list()) - 1
+
+    def healthz_s(self) -> float:
+        started = time.monotonic()
+        with requests.Session() as session:  # a new connection each time
+            assert session.get(f"http://127.0.0.1:{self.port}/healthz", timeout=5).ok
+        return time.monotonic() - started
+
+
+@pytest.fixture
+def front_door(processes: Processes, tmp_path: Path) -> FrontDoor:
+    server = start_redis(processes, tmp_path / "redis")
+    store = Store.from_url(server.url)
+    job_ids = []
+    for n in range(JOBS):
+        job = JobRecord(id=f"door-{n}", model="tiny", request=JobRequest(prompt="x"))
+        store.create_job(job, "exo.model.tiny", 1000)
+        job_ids.append(job.id)
+    port = free_port()
+    env = exo_env(
+        redis_url=server.url, api_port=port, api_workers=1, max_streams=STREAMS, data_dir=tmp_path
+    )
+    log_path = tmp_path / "api.log"
+    api = processes.start([EXO_TASKS, "api"], env, log_path)
+    wait_http(f"http://127.0.0.1:{port}/healthz", api, log_path)
+    return FrontDoor(port, store.redis, job_ids)
+
+
+def first_bytes(sock: socket.socket) -> bytes:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        assert chunk, head
+        head += chunk
+    return head
+
+
+def test_hundreds_of_streams_cost_no_redis_connection_each_and_health_stays_fast(
+    front_door: FrontDoor,
+) -> None:
+    with ExitStack() as open_streams:
+        first = [open_streams.enter_context(front_door.open_stream(j)) for j in front_door.job_ids]
+        for sock in first:
+            assert first_bytes(sock).startswith(b"HTTP/1.1 200")
+        few = front_door.redis_clients()
+        socks = [
+            open_streams.enter_context(front_door.open_stream(front_door.job_ids[n % JOBS]))
+            for n in range(STREAMS - JOBS)
+        ]
+        started = time.monotonic()
+        heads = [first_bytes(sock) for sock in socks]
+        all_open_s = time.monotonic() - started
+        assert all(head.startswith(b"HTTP/1.1 200") for head in heads)
+        # Every stream has a keepalive every second, read by one reader for all.
+        many = front_door.redis_clients()
+        times = sorted(front_door.healthz_s() for _ in range(30))
+
+        # One more is refused at once, in the error shape; health is never behind the cap.
+        refused = requests.get(
+            f"http://127.0.0.1:{front_door.port}/v1/jobs/{front_door.job_ids[0]}/stream",
+            timeout=5,
+        )
+    assert all_open_s < 5, all_open_s
+    # The request pool (bursts of stream openings fill it) and the one reader, whatever the
+    # number of streams.
+    assert few <= POOL + 1 and many <= POOL + 1, (few, many)
+    assert times[-1] < 1.0 and times[len(times) // 2] < 0.1, times
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["type"] == "streams_full", refused.text
+
+
+def test_a_stream_is_accepted_again_once_one_closes(front_door: FrontDoor) -> None:
+    url = f"http://127.0.0.1:{front_door.port}/v1/jobs/{front_door.job_ids[0]}/stream"
+    with ExitStack() as open_streams:
+        socks = [
+            open_streams.enter_context(front_door.open_stream(front_door.job_ids[0]))
+            for _ in range(STREAMS)
+        ]
+        for sock in socks:
+            first_bytes(sock)
+        assert requests.get(url, timeout=5).status_code == 503
+        socks[0].close()
+
+        def accepted() -> bool:
+            with requests.get(url, stream=True, timeout=5) as response:
+                return response.status_code == 200
+
+        wait_until(accepted, 5, "a closed stream's place to be free")
+
+
+def add_tokens(store: Store, job_id: str, count: int) -> None:
+    for index in range(count):
+        event = TokenEvent(index=index, text="a")
+        store.redis.xadd(events_key(job_id), {"event": "token", "data": event.model_dump_json()})
+    store.redis.expire(events_key(job_id), 600)
+
+
+def test_a_stream_that_falls_behind_its_buffer_is_cut_off_and_one_that_keeps_up_is_not(
+    redis_server: RedisServer, store: Store
+) -> None:
+    hub = EventHub(lambda: connect(redis_server.url), buffer_events=5)
+    job_id = f"behind-{time.monotonic_ns()}"
+    with hub.subscribe(job_id, "0-0") as slow, hub.subscribe(job_id, "0-0") as steady:
+        seen = []
+        for _ in range(3):
+            add_tokens(store, job_id, 4)
+            wait_until(lambda: len(steady.items) == 4, 5, "the hub to deliver")
+            seen += steady.take(0)
+        assert [getattr(event, "index", None) for _, event in seen] == [0, 1, 2, 3] * 3
+        assert slow.overflowed and not slow.items  # its backlog freed at once
+        with pytest.raises(StreamOverflow):
+            slow.take(0)
+    assert hub.subscribed_jobs == 0
+
+
+def test_a_client_that_stops_reading_is_cut_off_once_its_buffer_is_full(
+    front_door: FrontDoor,
+) -> None:
+    """Its place under EXO_MAX_STREAMS is free again long before the I/O timeout, while it
+    still reads nothing: the reader closed its connection when its buffer overflowed."""
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", front_door.port))
+    job_id, other = front_door.job_ids[0], front_door.job_ids[1]
+    url = f"http://127.0.0.1:{front_door.port}/v1/jobs/{other}/stream"
+    with ExitStack() as open_streams:
+        open_streams.enter_context(stalled)
+        stalled.sendall(f"GET /v1/jobs/{job_id}/stream HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        first_bytes(stalled)
+        socks = [
+            open_streams.enter_context(front_door.open_stream(other)) for _ in range(STREAMS - 1)
+        ]
+        for sock in socks:
+            first_bytes(sock)
+        assert requests.get(url, timeout=5).status_code == 503
+        # A job far faster than its reader: more than the kernel's buffers and the stream's.
+        text = "x" * 4096
+        pipe = front_door.redis.pipeline(transaction=False)
+        for index in range(BUFFER_EVENTS * 3):
+            event = TokenEvent(index=index, text=text).model_dump_json()
+            pipe.xadd(events_key(job_id), {"event": "token", "data": event})
+        pipe.execute()
+        written = time.monotonic()
+
+        def accepted() -> bool:
+            with requests.get(url, stream=True, timeout=5) as response:
+                return response.status_code == 200
+
+        wait_until(accepted, IO_TIMEOUT_S / 3, "the stalled stream's place to be free")
+        freed_s = time.monotonic() - written
+        stalled.settimeout(10)
+        received = 0
+        while chunk := stalled.recv(1 << 20):
+            received += len(chunk)
+    assert received < BUFFER_EVENTS * 3 * len(text), received
+    assert freed_s < IO_TIMEOUT_S / 3, freed_s
+
+
+def test_a_client_that_vanishes_without_a_fin_is_noticed_by_the_keepalives(
+    tmp_path: Path,
+) -> None:
+    """In a network namespace of its own (see tests/support/vanish.py): the bound is
+    EXO_API_IO_TIMEOUT_S (TCP_USER_TIMEOUT) plus one keepalive interval."""
+    argv = ["unshare", "-rn", sys.executable, "-m", "tests.support.vanish", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["full_status"] == 503 and result["full_retry_after"] == "1", result
+    assert result["full_error"]["type"] == "streams_full", result
+    assert result["noticed_s"] < IO_TIMEOUT_S + 1 + 5, result
+
+
+def test_a_running_job_shows_its_tokens_text_and_timings_so_far(stack: Stack) -> None:
+    job_id = stack.api.submit(prompt="progress", max_tokens=4000, ignore_eos=True, **HOST_A)
+
+    def progressed() -> dict[str, object] | None:
+        job: dict[str, object] = stack.api.get(f"/v1/jobs/{job_id}").json()
+        return job if job["usage"]["completion_tokens"] >= 20 else None  # type: ignore[index]
+
+    job = wait_until(progressed, 30, "tokens on the job resource")
+    listed = stack.api.get("/v1/jobs", params={"status": "running"}).json()
+    stack.api.post(f"/v1/jobs/{job_id}/cancel")
+    final = stack.api.wait_job(job_id)
+
+    assert job["status"] == "running"
+    usage, output, timings = job["usage"], job["output"], job["timings"]
+    assert isinstance(usage, dict) and isinstance(output, dict) and isinstance(timings, dict)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert output["text"] and final["output"]["text"].startswith(output["text"])
+    assert timings["ttft_ms"] is not None and timings["ttft_ms"] >= 0
+    assert timings["tokens_per_s"] is not None and timings["tokens_per_s"] > 0
+    mine = [j for j in listed if j["id"] == job_id]
+    assert mine and mine[0]["usage"]["completion_tokens"] >= 20, listed
+    assert mine[0]["timings"]["tokens_per_s"] is not None
+
+
+def test_a_streamed_completion_for_an_unknown_model_is_refused_before_the_stream(
+    stack: Stack,
+) -> None:
+    """Routing is checked before the first byte: a client's mistake keeps its status."""
+    body = {"model": "no-such-model", "prompt": "x", "max_tokens": 4, "stream": True}
+    response = stack.api.post("/v1/completions", json=body)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model", error
+    assert "no-such-model" in error["message"]
