@@ -40,10 +40,11 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
             return counts is not None and counts.completed >= count
 
         wait_until(lambda: done_at_least(30), 120, "30 lines done", interval_s=0.2)
-        # Mid-batch: jobs running, the feeder's lease held by this worker. The API goes too.
+        # Mid-batch: jobs running, the feeder's lease held by this worker; killed at once, while
+        # a line's job runs. The API goes too.
         wait_until(lambda: running(store, batch_id), 30, "a line's job running")
-    worker.process.send_signal(signal.SIGKILL)
-    worker.process.wait(timeout=10)
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait(timeout=10)
     assert store.inflight(batch_id), "the kill lands with lines in flight"
     with serving(settings) as api, client_for(api) as client:
         assert client.batches.retrieve(batch_id).status == "in_progress"

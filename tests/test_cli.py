@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import requests
 
+from config.settings import DEFAULT_PRESET
 from tests.conftest import Stack
 from tests.support.processes import EXO_TASKS, Processes, free_port, wait_until
 
@@ -81,7 +82,7 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
             return False
 
     wait_until(ready, 90, "the stack's /readyz", interval_s=0.5)
-    assert (tmp_path / "var" / "models" / "tiny" / "config.json").is_file()
+    assert (tmp_path / "var" / "models" / DEFAULT_PRESET / "config.json").is_file()
     job_id = requests.post(
         f"{api}/v1/jobs", json={"prompt": "hi", "max_tokens": 8}, timeout=5
     ).json()["id"]

@@ -31,7 +31,8 @@ def tree_rss(pid: int) -> int:
 def last_load_s(stack: Stack, runner_id: str) -> float:
     """How long the runner's latest start took, from its status history: spawned → Ready."""
     history = stack.api.get(f"/v1/runners/{runner_id}").json()["history"]
-    at = {change["status"]: datetime.fromisoformat(change["at"]) for change in history}
+    # Newest first: the latest start's entries are the last written here.
+    at = {c["status"]: datetime.fromisoformat(c["at"]) for c in reversed(history)}
     return (at["Ready"] - at["WaitingForModel"]).total_seconds()
 
 

@@ -1,6 +1,6 @@
 """Stopping a whole local stack, as users do: Ctrl-C (once, twice), a closed terminal, a killed
 launcher, `exo-tasks down`, and a plain `honcho start` on the Procfile. Real processes, real
-signals, default settings, fresh data dirs (the worker makes the tiny model itself).
+signals, default settings, fresh data dirs (the worker makes the default model itself).
 
 Every stop must leave no process behind and lose no job: jobs in flight go back to their queue
 (record `queued`, `attempts` 1, `event: requeued`, message back in the queue) before Redis stops.
@@ -28,6 +28,7 @@ import psutil
 import pytest
 import requests
 
+from config.settings import DEFAULT_PRESET
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
 from exo_tasks.store import Store
@@ -217,7 +218,7 @@ def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
             assert job is not None and job.status == "queued" and job.attempts == 1, job
             events = [event.event for _, event in store.read_events(job_id)]
             assert events.count("requeued") == 1, events
-        assert store.queue_depth(model_queue("tiny")) == len(ids)
+        assert store.queue_depth(model_queue(DEFAULT_PRESET)) == len(ids)
         assert store.redis.hlen("unacked") == 0
     finally:
         redis.process.terminate()
@@ -228,7 +229,7 @@ def test_ctrl_c_requeues_jobs_in_flight_a_restart_runs_them_and_down_stops_it(
     local_stack: LocalStack,
 ) -> None:
     local_stack.up()
-    assert (local_stack.data_dir / "models" / "tiny" / "config.json").is_file()
+    assert (local_stack.data_dir / "models" / DEFAULT_PRESET / "config.json").is_file()
     ids = local_stack.submit_long_jobs()
     elapsed = stop_and_time(local_stack, [signal.SIGINT], bound_s=6)
     print(f"Ctrl-C with {JOBS} jobs in flight: every process gone in {elapsed:.2f}s")

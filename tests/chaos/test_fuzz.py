@@ -21,7 +21,8 @@ from tests.support.processes import Processes, start_redis
 from tests.support.report import Case, Report
 from tests.support.workers import start_worker, wait_runner_ready
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+# Routes that answer in OpenAI's error shape (no `details`).
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/files", "/v1/batches")
 
 
 @dataclass
