@@ -29,11 +29,12 @@ def tree_rss(pid: int) -> int:
 
 
 def last_load_s(stack: Stack, runner_id: str) -> float:
-    """How long the runner's latest start took, from its status history: spawned → Ready."""
+    """How long the runner's latest start took, from its status history: spawned → first Ready."""
     history = stack.api.get(f"/v1/runners/{runner_id}").json()["history"]
-    # Newest first: the latest start's entries are the last written here.
-    at = {c["status"]: datetime.fromisoformat(c["at"]) for c in reversed(history)}
-    return (at["Ready"] - at["WaitingForModel"]).total_seconds()
+    changes = [(c["status"], datetime.fromisoformat(c["at"])) for c in reversed(history)]
+    spawned = max(at for status, at in changes if status == "WaitingForModel")
+    ready = min(at for status, at in changes if status == "Ready" and at > spawned)
+    return (ready - spawned).total_seconds()
 
 
 def test_an_idle_runner_frees_its_memory_and_the_next_job_loads_it_again(
