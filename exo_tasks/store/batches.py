@@ -64,15 +64,11 @@ class BatchRecords(RedisPart):
 
     def list_batches(self, after: str | None, limit: int) -> tuple[list[Batch], bool] | None:
         """Batches newest first, from the one after `after`; whether more follow."""
-        start = 0
-        if after is not None:
-            rank = self.redis.zrevrank(BATCHES, after)
-            if rank is None:
-                return None
-            start = rank + 1
-        ids = self.redis.zrevrange(BATCHES, start, start + limit)
-        batches = [b for b in (self.get_batch(i) for i in ids[:limit]) if b is not None]
-        return batches, len(ids) > limit
+        page = self.newest_after(BATCHES, after, limit)
+        if page is None:
+            return None
+        ids, more = page
+        return [b for b in (self.get_batch(i) for i in ids) if b is not None], more
 
     def move_batch(self, batch: Batch, *allowed_from: BatchStatus) -> bool:
         """Store `batch` if its stored status is one of `allowed_from` (compare-and-set: the

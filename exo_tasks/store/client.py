@@ -59,3 +59,22 @@ class RedisPart:
         if registered is None:
             registered = self._scripts[text] = self.redis.register_script(text)
         return registered
+
+    def start_after(self, index: str, after: str | None) -> int | None:
+        """Where a newest-first page of a sorted-set index starts: just past `after` (0 without
+        one); None if `after` is not in the index."""
+        if after is None:
+            return 0
+        rank = self.redis.zrevrank(index, after)
+        return None if rank is None else rank + 1
+
+    def newest_after(
+        self, index: str, after: str | None, limit: int
+    ) -> tuple[list[str], bool] | None:
+        """Up to `limit` ids of a sorted-set index, newest first, from the one after `after`;
+        whether more follow. None if `after` is not in the index."""
+        start = self.start_after(index, after)
+        if start is None:
+            return None
+        ids: list[str] = self.redis.zrevrange(index, start, start + limit)
+        return ids[:limit], len(ids) > limit

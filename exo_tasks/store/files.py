@@ -32,18 +32,15 @@ class FileRecords(RedisPart):
     def list_files(self, after: str | None, limit: int) -> tuple[list[FileObject], bool] | None:
         """Files newest first, from the one after `after`; whether more follow. None if
         `after` is unknown."""
-        start = 0
-        if after is not None:
-            rank = self.redis.zrevrank(FILES, after)
-            if rank is None:
-                return None
-            start = rank + 1
-        ids = self.redis.zrevrange(FILES, start, start + limit)
+        page = self.newest_after(FILES, after, limit)
+        if page is None:
+            return None
+        ids, more = page
         pipe = self.redis.pipeline(transaction=False)
-        for file_id in ids[:limit]:
+        for file_id in ids:
             pipe.hget(file_key(file_id), "meta")
         files = [FileObject.model_validate_json(raw) for raw in pipe.execute() if raw]
-        return files, len(ids) > limit
+        return files, more
 
     def delete_file(self, file_id: str) -> bool:
         pipe = self.redis.pipeline(transaction=True)

@@ -136,12 +136,9 @@ class JobRecords(MetricRecords):
         """Recent jobs, newest first, from the one after job `before` if given (None if that
         job is not among the recent ones)."""
         jobs: list[JobRecord] = []
-        start = 0
-        if before is not None:
-            rank = self.redis.zrevrank(RECENT_JOBS, before)
-            if rank is None:
-                return None
-            start = rank + 1
+        start = self.start_after(RECENT_JOBS, before)
+        if start is None:
+            return None
         while len(jobs) < limit:
             ids = self.redis.zrevrange(RECENT_JOBS, start, start + limit * 2 - 1)
             if not ids:
