@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import cached_property
-
 from celery import Celery
 
 from config.celery import celery_config
@@ -25,7 +23,15 @@ class ExoCelery(Celery):
         # the jobs it runs record. Empty outside a worker.
         self.incarnation = ""
         self.config_from_object(celery_config(settings))
+        self.store = self._new_store()
 
-    @cached_property
-    def store(self) -> Store:
+    def _new_store(self) -> Store:
+        # No connection yet: the pool connects on first use.
         return Store.from_url(self.settings.effective_redis_url, job_ttl_s=self.settings.job_ttl_s)
+
+    def renew_store(self) -> None:
+        """A new store, with a Redis pool of its own. A forked pool child needs one: a thread
+        of the parent (heartbeat, recovery, supervisor) may have held the pool's lock at the
+        fork, and the child inherits the lock but not the thread that would release it, so its
+        first Redis call would wait for ever."""
+        self.store = self._new_store()

@@ -44,7 +44,8 @@ LEASE_TTL_S = 3 * SWEEP_INTERVAL_S
 # that no live worker lists is orphaned.
 UNACKED_GRACE_S = HEARTBEAT_TTL_S
 # A task that started this long after its runner's start timeout without handing its job over
-# is stuck in its pool child (seen under heavy load: a task started and never went further).
+# is stuck in its pool child. A backstop: the one such hang seen (a pool child forked while a
+# thread held the Redis pool's lock, ExoCelery.renew_store) can no longer happen.
 STUCK_MARGIN_S = 60.0
 # A queued job whose message is nowhere is sent again only once it was seen so this far apart
 # (the API records a job a moment before it sends the message).

@@ -11,9 +11,9 @@ import gc
 import logging
 import os
 import signal
-from typing import Any
+from typing import Any, cast
 
-from celery import bootsteps
+from celery import bootsteps, current_app
 from celery.signals import worker_process_init, worker_shutting_down
 from celery.worker import components, state
 from celery.worker.control import control_command
@@ -104,10 +104,9 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
 def _held_delivery_tags() -> list[str]:
     """The broker messages whose tasks a pool child has started here. A message only reserved
     (received, not yet started) is left out on purpose: with one message per pool child it
-    waits for a free child for moments only, and one that waits longer is stuck in the pool
-    (seen under load: two tasks received during a burst and never started); the recovery loop
-    then gives it back to the queue, and whichever copy starts second finds the job taken.
-    Read from another thread while Celery's loop may change it."""
+    waits for a free child for moments only, and one that waits longer is stuck in the pool;
+    the recovery loop then gives it back to the queue, and whichever copy starts second finds
+    the job taken. Read from another thread while Celery's loop may change it."""
     for _ in range(3):
         try:
             return [request.message.delivery_tag for request in list(state.active_requests)]
@@ -147,6 +146,8 @@ def _pool_child_init(**_: Any) -> None:
     # Own process group: a signal to the worker's group (honcho, Ctrl-C) must not kill in-flight
     # tasks; the worker's main process decides how they stop.
     os.setpgid(0, 0)
+    # Celery made the worker's app current before the fork.
+    cast(ExoCelery, current_app).renew_store()
 
 
 @control_command(args=[("mode", str)], signature="<warm|cold>")

@@ -1,0 +1,78 @@
+"""A pool child forked while one of the worker's threads is inside a Redis call can still use
+Redis. Celery forks its pool children after the heartbeat, recovery and supervisor threads
+started; a child that inherited the Redis pool's lock held by one of them waited for ever on
+its first job (seen in the chaos suite: a job received, never started, for six minutes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from celery.signals import worker_process_init
+
+from exo_tasks.celery_app import ExoCelery
+from exo_tasks.worker import create_worker_app
+from tests.support.api import api_settings
+from tests.support.processes import RedisServer
+
+FORKS = 300
+THREADS = 4
+CHILD_BOUND_S = 10.0
+
+
+def _run_child(app: ExoCelery) -> None:
+    """In the forked child: what Celery's pool child does before its first task, then one
+    Redis round trip. Never returns."""
+    code = 1
+    try:
+        worker_process_init.send(sender=None)
+        app.store.redis.ping()
+        code = 0
+    finally:
+        os._exit(code)  # never back into pytest
+
+
+def test_a_pool_child_forked_while_a_thread_uses_redis_gets_an_answer(
+    redis_server: RedisServer,
+) -> None:
+    app = create_worker_app(api_settings(redis_server.url, []))
+    app.set_current()  # as the worker does before its pool forks
+    busy = threading.Event()
+
+    def use_redis() -> None:
+        while not busy.is_set():
+            app.store.redis.ping()
+
+    # Several threads, as in the worker: more of the time one of them holds the pool's lock.
+    threads = [threading.Thread(target=use_redis, daemon=True) for _ in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    children: list[int] = []
+    try:
+        for _ in range(FORKS):
+            pid = os.fork()
+            if pid == 0:
+                _run_child(app)
+            children.append(pid)
+            time.sleep(0.002)
+    finally:
+        busy.set()
+        for thread in threads:
+            thread.join()
+
+    deadline = time.monotonic() + CHILD_BOUND_S
+    exits: dict[int, int | None] = dict.fromkeys(children)
+    while time.monotonic() < deadline and None in exits.values():
+        for pid in [p for p, code in exits.items() if code is None]:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                exits[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    hung = [pid for pid, code in exits.items() if code is None]
+    for pid in hung:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert not hung, f"{len(hung)} of {FORKS} children never got Redis's answer"
+    assert set(exits.values()) == {0}
