@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import redis
 from pydantic import ValidationError
 
 from exo_tasks import batch_input, jobs, metrics
@@ -33,12 +34,14 @@ from exo_tasks.batch_types import (
 )
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.errors import ExoError, InvalidRequest, QueueFull, Unavailable
+from exo_tasks.store import redis_waits
 from exo_tasks.store.keys import BATCH_FEEDER_LEASE
 from exo_tasks.types import JobRecord, JobStatus
 
 log = logging.getLogger("exo_tasks.batches")
 TICK_S = 0.1
 LEASE_TTL_S = 5.0
+REDIS_RETRY_S = 0.5
 # A batch being cancelled or past its window: its jobs in flight are asked to stop this often
 # until they have all ended (the API's cancel asks at once).
 CANCEL_EVERY_S = 1.0
@@ -94,14 +97,25 @@ class BatchFeeder:
             self._senders.shutdown(wait=True, cancel_futures=True)
 
     def _run(self) -> None:
-        # At once again after a tick that moved lines (the fleet is waiting), else a pause.
-        while not self._closing.wait(0 if self._moved else TICK_S):
+        pause = 0.0
+        while not self._closing.wait(pause):
             self._moved = 0
             try:
                 if self.store.hold_lease(self.holder, LEASE_TTL_S, BATCH_FEEDER_LEASE):
                     self.tick()
-            except Exception:  # Redis down, say: the loop must outlive it
-                log.exception("batch feeder tick failed; retrying")
+                # At once again after a tick that moved lines (the fleet is waiting), else a pause.
+                pause = 0 if self._moved else TICK_S
+            except Exception as exc:  # the loop must outlive any tick
+                if isinstance(exc, redis.RedisError) and redis_waits(exc):
+                    # Redis restarting, say: a line each try, not a traceback ten times a second.
+                    # Every step is one the next tick repeats: the batch goes on once it is back.
+                    log.warning(
+                        "redis unreachable or full; batch feeder waits", extra={"error": str(exc)}
+                    )
+                    pause = REDIS_RETRY_S
+                else:
+                    log.exception("batch feeder tick failed; retrying")
+                    pause = TICK_S
 
     def tick(self) -> None:
         batches = [b for b in map(self.store.get_batch, self.store.open_batches()) if b]

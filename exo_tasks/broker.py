@@ -8,6 +8,8 @@
   once it is older than the visibility timeout: after a SIGKILL, an hour by default.
 - kombu BRPOPs a message before it records it as unacknowledged: a worker killed in between
   loses it altogether.
+- kombu closes a connection's channels one after the other and stops at the first that fails;
+  the worker has it close all of them (`close_every_channel`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kombu import Connection
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
 from config.celery import PRIORITY_STEPS
 
@@ -111,3 +115,25 @@ class Broker:
             channel: Any = connection.default_channel
             for tag in tags:
                 channel.qos.restore_by_tag(tag)
+
+
+def close_every_channel() -> None:
+    """Have kombu's Redis transport close every channel of a connection, even with Redis gone.
+
+    kombu stops at the first channel whose close fails (with Redis gone: the reply of a pending
+    BRPOP, deleting the broadcast queue) and leaves the rest open. Celery's reconnect then
+    closes the task channel again once its transport has lost its client, and the worker dies
+    ("Unrecoverable error: AttributeError ... 'hostname'"; celery and kombu 5.7) instead of
+    reconnecting when Redis is back. Patched in place, not as a transport of our own: that would
+    name the broker URL's scheme after it, and Flower reads the scheme to find the broker."""
+    kombu_redis.Transport.close_connection = _close_every_channel  # type: ignore[method-assign,assignment]
+
+
+def _close_every_channel(transport: virtual.Transport, connection: Connection) -> None:
+    # kombu takes each channel off its lists before closing it: each try closes those left.
+    while True:
+        try:
+            virtual.Transport.close_connection(transport, connection)
+            return
+        except transport.connection_errors:
+            continue

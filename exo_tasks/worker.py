@@ -20,7 +20,7 @@ from celery.worker.control import control_command
 
 from config.settings import Settings
 from exo_tasks import batch_process, jobs, recovery, revocation
-from exo_tasks.broker import Broker
+from exo_tasks.broker import Broker, close_every_channel
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.fleet_types import HostState
 from exo_tasks.logs import configure_logging
@@ -121,6 +121,7 @@ def create_worker_app(settings: Settings) -> ExoCelery:
     # it. Celery names the pool step by its class, so the requirement goes on that class.
     if RunnerSupervisorStep not in (components.Pool.requires or ()):
         components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
+    close_every_channel()  # or a Redis restart can end the worker (exo_tasks/broker.py)
     app = ExoCelery(settings)
     app.steps["worker"].add(RunnerSupervisorStep)
     revocation.register()  # Flower's revoke and terminate cancel the job

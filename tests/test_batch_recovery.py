@@ -1,12 +1,17 @@
 """A batch through a worker SIGKILL (the worker holding the feeder's lease, its pool children
-and runner going with it) and an API restart: it still completes, every line exactly once in
-its output or error file. A Redis of its own, so that the only feeder is the one killed."""
+and runner going with it) and an API restart, or through a Redis SIGKILL and restart: it still
+completes, every line exactly once in its output or error file. A Redis of its own, so that the
+only feeder is the one killed and the Redis killed is no other test's."""
 
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
+
+import openai
 
 from exo_tasks.batch_jobs import line_job_id
 from exo_tasks.store import Store
@@ -24,6 +29,23 @@ def running(store: Store, batch_id: str) -> bool:
     return any(job is not None and job.status == "running" for job in jobs)
 
 
+def wait_mid_batch(client: openai.OpenAI, store: Store, batch_id: str) -> None:
+    """Until some lines are done and a line's job runs: the feeder is busy with the batch."""
+
+    def done_at_least(count: int) -> bool:
+        counts = client.batches.retrieve(batch_id).request_counts
+        return counts is not None and counts.completed >= count
+
+    wait_until(lambda: done_at_least(30), 120, "30 lines done", interval_s=0.2)
+    wait_until(lambda: running(store, batch_id), 30, "a line's job running")
+
+
+def each_line_once(output: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
+    seen = Counter(line["custom_id"] for line in output + errors)
+    assert set(seen) == {f"k{i}" for i in range(LINES)}
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+
+
 def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
     processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -34,15 +56,9 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
     settings = api_settings(redis.url, [tiny_model])
     with serving(settings) as api, client_for(api) as client:
         batch_id = start(client, lines).id
-
-        def done_at_least(count: int) -> bool:
-            counts = client.batches.retrieve(batch_id).request_counts
-            return counts is not None and counts.completed >= count
-
-        wait_until(lambda: done_at_least(30), 120, "30 lines done", interval_s=0.2)
         # Mid-batch: jobs running, the feeder's lease held by this worker; killed at once, while
         # a line's job runs. The API goes too.
-        wait_until(lambda: running(store, batch_id), 30, "a line's job running")
+        wait_mid_batch(client, store, batch_id)
         worker.process.send_signal(signal.SIGKILL)
         worker.process.wait(timeout=10)
     assert store.inflight(batch_id), "the kill lands with lines in flight"
@@ -53,9 +69,7 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
         assert batch.status == "completed", batch
         output = read_file(client, batch.output_file_id)
         errors = read_file(client, batch.error_file_id)
-    seen = Counter(line["custom_id"] for line in output + errors)
-    assert set(seen) == {f"k{i}" for i in range(LINES)}
-    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+    each_line_once(output, errors)
     assert not errors, errors[:3]  # the requeued jobs ran again and succeeded
     assert batch.request_counts is not None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
@@ -65,3 +79,33 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
     for line in output:
         usage = line["response"]["body"]["usage"]
         assert usage["completion_tokens"] == 24
+
+
+def test_redis_sigkill_and_restart_mid_batch_lose_nothing_twice_nothing(
+    processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    redis = start_redis(processes, tmp_path / "redis")
+    store = Store.from_url(redis.url)
+    new_worker(processes, redis.url, store, "br-1", [tiny_model], tmp_path)
+    lines = [chat_line(f"k{i}", f"n{i}", max_tokens=24, ignore_eos=True) for i in range(LINES)]
+    with serving(api_settings(redis.url, [tiny_model])) as api, client_for(api) as client:
+        batch_id = start(client, lines).id
+        wait_mid_batch(client, store, batch_id)
+        # Redis dies under the feeder, the worker, its runner and the API at once; it comes back
+        # 2 s later on the same port with its AOF (every write fsynced), as a supervisor would.
+        redis.process.send_signal(signal.SIGKILL)
+        redis.process.wait(timeout=5)
+        time.sleep(2)
+        start_redis(processes, tmp_path / "redis", redis.port)
+        batch = wait_status(client, batch_id, {"completed", "failed", "cancelled"}, 120)
+        assert batch.status == "completed", batch
+        output = read_file(client, batch.output_file_id)
+        errors = read_file(client, batch.error_file_id)
+    each_line_once(output, errors)
+    # None may fail: every process waits for Redis and repeats what it was doing (the runner keeps
+    # what it owes, a task waits or is requeued, the feeder repeats its tick), and 2 s is shorter
+    # than a heartbeat's TTL, so no host is taken for dead and no job for orphaned.
+    assert not errors, errors[:3]
+    assert batch.request_counts is not None
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (LINES, LINES, 0)
