@@ -17,7 +17,7 @@ from exo_tasks import lifecycle, limits
 from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
 from exo_tasks.errors import Conflict, NotFound, QueueFull
-from exo_tasks.fleet import Fleet
+from exo_tasks.fleet import Fleet, FleetReads, StoreReads
 from exo_tasks.naming import find_model, host_queue, model_queue
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
@@ -64,17 +64,17 @@ class Route:
     queue: str
 
 
-def route(store: Store, settings: Settings, request: JobRequest) -> Route:
+def route(reads: FleetReads, settings: Settings, request: JobRequest) -> Route:
     """Where `request` goes, or why it cannot go now: 404 for a model or host no live host
     serves, 503 when every runner that could take it is down, 400 for tools the model cannot
     call, 429 when its queue is full. Checked before a stream's first byte, so a client's
     mistake keeps its status."""
-    fleet = Fleet.load(store)
+    fleet = reads.fleet()
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
-    _refuse_if_full(queue, store.queue_depth(queue), settings)
+    _refuse_if_full(queue, reads.queue_depth(queue), settings)
     return Route(model, queue)
 
 
@@ -100,7 +100,7 @@ def submit(
     EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
     fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client;
     `where`: its route, if already found."""
-    where = where or route(store, settings, request)
+    where = where or route(StoreReads(store), settings, request)
     job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
     depth = store.create_job(job, where.queue, settings.max_queued_jobs)
     _refuse_if_full(where.queue, depth, settings)  # the route's was a read; this count holds

@@ -13,7 +13,7 @@ import requests
 
 from config.settings import DEFAULT_PRESET
 from tests.conftest import Stack
-from tests.support.processes import EXO_TASKS, Processes, free_port, wait_until
+from tests.support.processes import EXO_TASKS, Processes, free_port, has_exited, wait_until
 
 
 def test_model_create_writes_a_loadable_model(tmp_path: Path) -> None:
@@ -101,12 +101,7 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
     launcher.send_signal(signal.SIGINT)
     launcher.wait(timeout=20)
     wait_until(
-        lambda: (
-            not any(
-                psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                for p in everything
-            )
-        ),
+        lambda: all(has_exited(p) for p in everything),
         10,
         "every process of the stack to exit",
     )

@@ -67,7 +67,7 @@ class Terminal:
 
     def close(self) -> None:
         if self.status is None:
-            kill_tree(self.pid, signal.SIGKILL)  # reaps it too (psutil waits on a child)
+            kill_tree(self.pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(self.pid, 0)
         os.close(self.fd)
@@ -87,6 +87,9 @@ def run(started: list[Terminal], stack: Stack, *args: str) -> Terminal:
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal
         try:
+            # As in a user's terminal, whatever pytest was started from (a shell without job
+            # control starts background commands with SIGINT ignored, and exec keeps that).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(EXO_TASKS, [EXO_TASKS, *args], env)
         finally:
             os._exit(127)

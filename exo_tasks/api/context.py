@@ -12,6 +12,7 @@ from config.settings import Settings
 from exo_tasks import jobs
 from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.fleet import SharedReads
 from exo_tasks.store import Store, connect
 from exo_tasks.types import JobRecord, JobRequest
 
@@ -38,12 +39,19 @@ class ApiContext:
     def _senders(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 
+    @cached_property
+    def reads(self) -> SharedReads:
+        """The fleet and queue depths, each read shared by the requests that ask together."""
+        return SharedReads(self.store)
+
     def submit(
         self, job_request: JobRequest, job_id: str | None = None, where: jobs.Route | None = None
     ) -> JobRecord:
-        """jobs.submit, on one of SENDERS long-lived threads (greenlets under gevent). Celery
-        keeps a result backend, with a Redis connection of its own, per thread: submitted
-        from each request's own greenlet, every job cost a connection that stayed open."""
+        """jobs.submit, routed by the shared reads, on one of SENDERS long-lived threads
+        (greenlets under gevent). Celery keeps a result backend, with a Redis connection of its
+        own, per thread: submitted from each request's own greenlet, every job cost a
+        connection that stayed open."""
+        where = where or jobs.route(self.reads, self.settings, job_request)
         return self._senders.submit(
             jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where
         ).result()

@@ -7,7 +7,6 @@ from flask import Blueprint, Response, jsonify
 
 from exo_tasks.api.context import ctx
 from exo_tasks.api.models import HealthReply, ReadinessReply
-from exo_tasks.fleet import Fleet
 
 bp = Blueprint("health", __name__)
 
@@ -22,7 +21,7 @@ def readyz() -> tuple[Response, int]:
     """200 only when Redis answers and at least one runner of a live host takes jobs (or has
     unloaded its idle model, which the next job loads again)."""
     try:
-        ready = [r.id for r in Fleet.load(ctx().store).live_runners() if r.status.serves]
+        ready = [r.id for r in ctx().reads.fleet().live_runners() if r.status.serves]
     except (redis.ConnectionError, redis.TimeoutError):
         down = ReadinessReply(status="unavailable", redis=False, ready_runners=[])
         return jsonify(down.model_dump()), 503

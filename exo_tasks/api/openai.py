@@ -23,7 +23,7 @@ from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.errors import openai_error_body
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
 from exo_tasks.errors import ExoError, NotFound, RunnerGone, Unavailable
-from exo_tasks.fleet import Fleet, is_down
+from exo_tasks.fleet import is_down
 from exo_tasks.naming import find_model, runner_id_for
 from exo_tasks.openai_types import (
     AssistantMessage,
@@ -186,7 +186,7 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
     job_request = jobs.parse_request(context.settings, body.job_fields())
     if body.stream:
-        where = jobs.route(context.store, context.settings, job_request)  # errors keep statuses
+        where = jobs.route(context.reads, context.settings, job_request)  # errors keep statuses
         release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
         plan = _Stream(
             context, renderer, streams.close_connection(request.environ), body.include_usage
@@ -339,7 +339,7 @@ def get_model(model: str) -> Response:
 
 def _served_models() -> list[ModelCard]:
     """Each model a live host serves with a runner that is up (or starting), and those hosts."""
-    fleet = Fleet.load(ctx().store)
+    fleet = ctx().reads.fleet()
     cards: list[ModelCard] = []
     for model in fleet.models:
         hosts = [

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import requests
 
@@ -30,6 +29,7 @@ from tests.support.processes import (
     RedisServer,
     exo_env,
     free_port,
+    has_exited,
     start_redis,
     wait_http,
     wait_until,
@@ -121,16 +121,10 @@ def test_kill_9_of_a_worker_while_it_fetches_loses_none(chaos: Chaos, reliabilit
     )
     waiting = chaos.store.queue_depth("exo.model.tiny")
     runner_pid = chaos.store.get_runner("tiny@chaos-a").pid  # type: ignore[union-attr]
+    assert runner_pid is not None
     killed = time.monotonic()
     victim.process.send_signal(signal.SIGKILL)
-    wait_until(
-        lambda: (
-            not psutil.pid_exists(runner_pid)
-            or psutil.Process(runner_pid).status() == psutil.STATUS_ZOMBIE
-        ),
-        5,
-        "the victim's runner to exit",
-    )
+    wait_until(lambda: has_exited(runner_pid), 5, "the victim's runner to exit")
     runner_gone_s = time.monotonic() - killed
     # Heartbeat expiry (10 s) + the requeue bound (15 s) + the jobs themselves.
     jobs = chaos.outcome(ids, timeout_s=90)

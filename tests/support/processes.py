@@ -47,7 +47,17 @@ def wait_until(
         time.sleep(interval_s)
 
 
+def has_exited(pid: int) -> bool:
+    """Gone, or a zombie: it has exited and waits to be reaped. An orphan's zombie lasts until
+    PID 1 reaps it, which some inits (this sandbox's) do only every second or so."""
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal `pid` and its descendants; wait (at most 10 s) until each has exited."""
     try:
         parent = psutil.Process(pid)
         procs = [parent, *parent.children(recursive=True)]
@@ -56,7 +66,9 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.send_signal(sig)
-    psutil.wait_procs(procs, timeout=10)
+    deadline = time.monotonic() + 10
+    while not all(has_exited(proc.pid) for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @dataclass
