@@ -117,6 +117,9 @@ class Broker:
                 channel.qos.restore_by_tag(tag)
 
 
+CLOSE_TRIES = 32
+
+
 def close_every_channel() -> None:
     """Have kombu's Redis transport close every channel of a connection, even with Redis gone.
 
@@ -130,8 +133,9 @@ def close_every_channel() -> None:
 
 
 def _close_every_channel(transport: virtual.Transport, connection: Connection) -> None:
-    # kombu takes each channel off its lists before closing it: each try closes those left.
-    while True:
+    # kombu takes each channel off its lists before closing it: each try closes those left
+    # (a connection has a handful of channels).
+    for _ in range(CLOSE_TRIES):
         try:
             virtual.Transport.close_connection(transport, connection)
             return
