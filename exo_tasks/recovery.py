@@ -14,6 +14,8 @@ here, from what the system knows of who is alive, never from the broker's visibi
   it records it, so a SIGKILL in between loses it) are sent again; a dead host's runners are
   marked `Failed`.
 - A worker that starts requeues what its previous incarnation on the same host held, at once.
+- After Redis was unreachable, no sweep judges anyone for HEARTBEAT_TTL_S: an outage longer
+  than that expired every heartbeat, and the hosts alive all along need a beat to say so.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class Recovery:
         self.stuck_after_s = stuck_after_s
         self._missing_since: dict[str, float] = {}
         self._closing = threading.Event()
+        # After Redis was unreachable, every host may have lost its heartbeat meanwhile (an
+        # outage longer than their TTL): nobody is judged dead until all could beat again.
+        self._judge_from = 0.0
 
     def start(self, previous: HostState | None) -> None:
         self.recover_own_host(previous)
@@ -139,7 +144,10 @@ class Recovery:
             try:
                 if self.store.hold_lease(self.incarnation, LEASE_TTL_S):
                     self.sweep()
-            except Exception:  # Redis down, say: the loop must outlive it
+            except redis.RedisError as exc:  # Redis down, say: a line each try, no traceback
+                self._judge_from = time.monotonic() + HEARTBEAT_TTL_S
+                log.warning("recovery sweep not done; retrying", extra={"error": str(exc)})
+            except Exception:  # the loop must outlive anything else too
                 log.exception("recovery sweep failed; retrying")
 
     def recover_own_host(self, previous: HostState | None) -> None:
@@ -158,6 +166,8 @@ class Recovery:
         )
 
     def sweep(self) -> None:
+        if time.monotonic() < self._judge_from:
+            return
         now = time.time()
         hosts, runners = self.store.fleet()
         active = self.store.active_jobs()

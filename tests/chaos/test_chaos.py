@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import requests
 
+from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.store import Store
 from exo_tasks.types import TERMINAL_JOB_STATUSES
 from tests.support.api import Api, api_settings, serving
@@ -222,6 +223,43 @@ def test_redis_killed_and_restarted_while_jobs_run(chaos: Chaos, reliability: Re
                 f"{succeeded}/{len(ids)} succeeded (any other would have to fail with an error)",
                 "worker, runner and API reconnected by themselves",
             ],
+        )
+    )
+
+
+def test_redis_down_longer_than_a_heartbeat_requeues_and_fails_nothing(
+    chaos: Chaos, reliability: Report
+) -> None:
+    """Every heartbeat expires while Redis is down; when it is back, the hosts that were alive
+    all along must not be judged dead before they could beat again."""
+    # Two hosts: whichever holds the recovery lease must not judge the other, whose next beat
+    # may come up to 2 s after its first sweep.
+    hosts = ["chaos-outage-a", "chaos-outage-b"]
+    for host in hosts:
+        chaos.worker(host)
+    ids = [
+        chaos.api.submit(prompt=f"through {h}", max_tokens=1500, ignore_eos=True, host=h)
+        for h in hosts
+    ]
+    wait_until(lambda: all(chaos.store.streamed_text(j)[1] > 0 for j in ids), 10, "tokens")
+    chaos.redis.process.send_signal(signal.SIGKILL)
+    chaos.redis.process.wait(timeout=5)
+    outage_s = HEARTBEAT_TTL_S + 3
+    time.sleep(outage_s)
+    chaos.redis = start_redis(chaos.processes, chaos.data_dir / "redis", chaos.redis.port)
+    jobs = chaos.outcome(ids, timeout_s=90)
+    assert {(j["status"], j["attempts"]) for j in jobs.values()} == {("succeeded", 0)}, jobs
+    assert all(chaos.done_events(j) == 1 for j in ids)
+    for host in hosts:
+        statuses = [change.status for change in chaos.store.runner_history(f"tiny@{host}")]
+        assert "Failed" not in statuses, (host, statuses)
+    reliability.add(
+        Case(
+            f"Redis SIGKILLed for {outage_s:.0f} s, longer than a heartbeat lives, and restarted",
+            len(ids),
+            "1 SIGKILL (redis-server)",
+            chaos.lost(jobs),
+            ["each running job finished where it ran (not requeued)", "no runner marked failed"],
         )
     )
 
