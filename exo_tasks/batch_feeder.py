@@ -18,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import redis
 from pydantic import ValidationError
 
 from exo_tasks import batch_input, jobs, metrics
@@ -106,7 +105,7 @@ class BatchFeeder:
                 # At once again after a tick that moved lines (the fleet is waiting), else a pause.
                 pause = 0 if self._moved else TICK_S
             except Exception as exc:  # the loop must outlive any tick
-                if isinstance(exc, redis.RedisError) and redis_waits(exc):
+                if redis_waits(exc):
                     # Redis restarting, say: a line each try, not a traceback ten times a second.
                     # Every step is one the next tick repeats: the batch goes on once it is back.
                     log.warning(

@@ -4,7 +4,7 @@ which queue a job may go to, and refuses jobs that no live runner could ever tak
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
 
 from exo_tasks.errors import InvalidRequest, NotFound, Unavailable
 from exo_tasks.fleet_types import HostState, RunnerState
@@ -83,34 +83,13 @@ class Fleet:
             )
 
 
-class FleetReads(Protocol):
-    """What routing a job reads: the fleet, and the depth of the queue it would join."""
-
-    def fleet(self) -> Fleet: ...
-
-    def queue_depth(self, queue: str) -> int: ...
-
-
-@dataclass(frozen=True)
-class StoreReads:
-    """Each read a round trip of its own (the batch feeder, the recovery loop)."""
-
-    store: Store
-
-    def fleet(self) -> Fleet:
-        return Fleet.load(self.store)
-
-    def queue_depth(self, queue: str) -> int:
-        return self.store.queue_depth(queue)
-
-
 class SharedReads:
     """The API's: requests that arrive together share each read (exo_tasks.shared_read), so
     a burst of clients costs a few round trips, not a few per client."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._fleet = SharedRead(lambda: Fleet.load(store))
+        self._fleet = SharedRead(partial(Fleet.load, store))
         self._depths: dict[str, SharedRead[int]] = {}  # by queue: one per model and host
 
     def fleet(self) -> Fleet:
@@ -119,6 +98,7 @@ class SharedReads:
     def queue_depth(self, queue: str) -> int:
         read = self._depths.get(queue)
         if read is None:
-            depth_of = self._store.queue_depth
-            read = self._depths.setdefault(queue, SharedRead(lambda: depth_of(queue)))
+            read = self._depths.setdefault(
+                queue, SharedRead(partial(self._store.queue_depth, queue))
+            )
         return read.get()

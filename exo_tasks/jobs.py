@@ -17,7 +17,7 @@ from exo_tasks import lifecycle, limits
 from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
 from exo_tasks.errors import Conflict, NotFound, QueueFull
-from exo_tasks.fleet import Fleet, FleetReads, StoreReads
+from exo_tasks.fleet import Fleet
 from exo_tasks.naming import find_model, host_queue, model_queue
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
@@ -64,21 +64,21 @@ class Route:
     queue: str
 
 
-def route(reads: FleetReads, settings: Settings, request: JobRequest) -> Route:
-    """Where `request` goes, or why it cannot go now: 404 for a model or host no live host
-    serves, 503 when every runner that could take it is down, 400 for tools the model cannot
-    call, 429 when its queue is full. Checked before a stream's first byte, so a client's
-    mistake keeps its status."""
-    fleet = reads.fleet()
+def route(fleet: Fleet, settings: Settings, request: JobRequest) -> Route:
+    """Where `request` goes in `fleet`, or why it cannot go now: 404 for a model or host no
+    live host serves, 503 when every runner that could take it is down, 400 for tools the
+    model cannot call. Checked before a stream's first byte, so a client's mistake keeps its
+    status. A full queue's 429 comes from the job's creation (submit), or for a stream from
+    refuse_if_full before its first byte."""
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
-    _refuse_if_full(queue, reads.queue_depth(queue), settings)
     return Route(model, queue)
 
 
-def _refuse_if_full(queue: str, depth: int, settings: Settings) -> None:
+def refuse_if_full(queue: str, depth: int, settings: Settings) -> None:
+    """429 once `depth` messages wait in `queue`, EXO_MAX_QUEUED_JOBS or more."""
     if depth >= settings.max_queued_jobs:
         raise QueueFull(
             f"{depth} jobs are waiting in {queue}, the most allowed "
@@ -100,10 +100,10 @@ def submit(
     EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
     fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client;
     `where`: its route, if already found."""
-    where = where or route(StoreReads(store), settings, request)
+    where = where or route(Fleet.load(store), settings, request)
     job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
     depth = store.create_job(job, where.queue, settings.max_queued_jobs)
-    _refuse_if_full(where.queue, depth, settings)  # the route's was a read; this count holds
+    refuse_if_full(where.queue, depth, settings)  # counted as the job was created: this holds
     send(celery, settings, job)
     return job
 

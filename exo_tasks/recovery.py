@@ -32,7 +32,7 @@ import redis
 from exo_tasks.broker import Broker, Messages
 from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
 from exo_tasks.naming import node_name
-from exo_tasks.store import JobWhereabouts, Store
+from exo_tasks.store import JobWhereabouts, Store, redis_waits
 from exo_tasks.types import JobRecord, JobStatus, utcnow
 
 log = logging.getLogger("exo_tasks.recovery")
@@ -144,11 +144,12 @@ class Recovery:
             try:
                 if self.store.hold_lease(self.incarnation, LEASE_TTL_S):
                     self.sweep()
-            except redis.RedisError as exc:  # Redis down, say: a line each try, no traceback
-                self._judge_from = time.monotonic() + HEARTBEAT_TTL_S
-                log.warning("recovery sweep not done; retrying", extra={"error": str(exc)})
-            except Exception:  # the loop must outlive anything else too
-                log.exception("recovery sweep failed; retrying")
+            except Exception as exc:  # the loop must outlive any sweep
+                if redis_waits(exc):  # unreachable or full: no heartbeat could be written
+                    self._judge_from = time.monotonic() + HEARTBEAT_TTL_S
+                    log.warning("recovery sweep not done; retrying", extra={"error": str(exc)})
+                else:
+                    log.exception("recovery sweep failed; retrying")
 
     def recover_own_host(self, previous: HostState | None) -> None:
         """A worker starting on this host: what an earlier incarnation here held is orphaned

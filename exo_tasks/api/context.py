@@ -51,7 +51,7 @@ class ApiContext:
         (greenlets under gevent). Celery keeps a result backend, with a Redis connection of its
         own, per thread: submitted from each request's own greenlet, every job cost a
         connection that stayed open."""
-        where = where or jobs.route(self.reads, self.settings, job_request)
+        where = where or jobs.route(self.reads.fleet(), self.settings, job_request)
         return self._senders.submit(
             jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where
         ).result()

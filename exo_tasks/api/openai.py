@@ -186,7 +186,11 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
     job_request = jobs.parse_request(context.settings, body.job_fields())
     if body.stream:
-        where = jobs.route(context.reads, context.settings, job_request)  # errors keep statuses
+        # Errors keep their statuses before the first byte, a full queue's 429 too (the job's
+        # creation counts again: this is a read).
+        where = jobs.route(context.reads.fleet(), context.settings, job_request)
+        depth = context.reads.queue_depth(where.queue)
+        jobs.refuse_if_full(where.queue, depth, context.settings)
         release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
         plan = _Stream(
             context, renderer, streams.close_connection(request.environ), body.include_usage

@@ -36,7 +36,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
         exc = exc.__cause__
 
 
-def redis_waits(exc: redis.RedisError) -> bool:
+def redis_waits(exc: BaseException) -> bool:
     """Redis is unreachable, or full (it refuses writes until keys expire): the writer keeps
     what it owes Redis and tries again, rather than failing its jobs."""
     return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or is_out_of_memory(exc)
