@@ -129,6 +129,27 @@ def test_hundreds_of_streams_cost_no_redis_connection_each_and_health_stays_fast
     assert refused.json()["error"]["type"] == "streams_full", refused.text
 
 
+def test_a_cold_api_process_hit_by_a_burst_opens_no_redis_connection_per_request(
+    front_door: FrontDoor,
+) -> None:
+    """The first requests a process serves arrive all at once (a benchmark's burst, clients
+    reconnecting after a restart): the process still builds one store, one pool."""
+    with ExitStack() as open_streams:
+        # Connected first, then every request sent before any answer is read: they reach the
+        # process together.
+        socks = [
+            open_streams.enter_context(socket.create_connection(("127.0.0.1", front_door.port)))
+            for _ in range(STREAMS)
+        ]
+        for n, sock in enumerate(socks):
+            job_id = front_door.job_ids[n % JOBS]
+            sock.sendall(f"GET /v1/jobs/{job_id}/stream HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        heads = [first_bytes(sock) for sock in socks]
+        clients = front_door.redis_clients()
+    assert all(head.startswith(b"HTTP/1.1 200") for head in heads)
+    assert clients <= POOL + 1, clients
+
+
 def test_a_stream_is_accepted_again_once_one_closes(front_door: FrontDoor) -> None:
     url = f"http://127.0.0.1:{front_door.port}/v1/jobs/{front_door.job_ids[0]}/stream"
     with ExitStack() as open_streams:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import cached_property
 
 from flask import current_app
 
@@ -20,29 +18,29 @@ from exo_tasks.types import JobRecord, JobRequest
 SENDERS = 8
 
 
-@dataclass
 class ApiContext:
-    settings: Settings
-    celery: ExoCelery
+    """Built whole when the process's app is created, before it serves: nothing here is built
+    on a first request. A `functools.cached_property` guards its first call with an RLock that
+    predates gevent's patching, which every greenlet of the process passes; building a Redis
+    pool yields, so a cold process hit by a burst built a store (and a pool) per request:
+    1,469 Redis connections and first bytes 10-15 s late at 2,000 streams."""
 
-    @cached_property
-    def store(self) -> Store:
-        """Redis for requests, on at most EXO_API_REDIS_CONNECTIONS connections: under the
-        gevent worker thousands of requests run at once, and they wait for a connection
-        instead of opening one each."""
-        client = connect(
-            self.settings.effective_redis_url, max_connections=self.settings.api_redis_connections
+    def __init__(self, settings: Settings, celery: ExoCelery) -> None:
+        self.settings = settings
+        self.celery = celery
+        # Requests use at most EXO_API_REDIS_CONNECTIONS connections: under the gevent
+        # worker thousands run at once, and they wait for a connection instead of opening one.
+        self.store = Store(
+            connect(settings.effective_redis_url, max_connections=settings.api_redis_connections),
+            job_ttl_s=settings.job_ttl_s,
         )
-        return Store(client, job_ttl_s=self.settings.job_ttl_s)
-
-    @cached_property
-    def _senders(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
-
-    @cached_property
-    def reads(self) -> SharedReads:
-        """The fleet and queue depths, each read shared by the requests that ask together."""
-        return SharedReads(self.store)
+        # The fleet and queue depths, each read shared by the requests that ask together.
+        self.reads = SharedReads(self.store)
+        # The process's one reader of job streams, on its own connection.
+        url = settings.effective_redis_url
+        self.hub = EventHub(lambda: connect(url), settings.stream_buffer_events)
+        self.streams = StreamCap(settings.max_streams)
+        self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 
     def submit(
         self, job_request: JobRequest, job_id: str | None = None, where: jobs.Route | None = None
@@ -55,16 +53,6 @@ class ApiContext:
         return self._senders.submit(
             jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where
         ).result()
-
-    @cached_property
-    def hub(self) -> EventHub:
-        """The process's one reader of job streams (its own connection)."""
-        url = self.settings.effective_redis_url
-        return EventHub(lambda: connect(url), self.settings.stream_buffer_events)
-
-    @cached_property
-    def streams(self) -> StreamCap:
-        return StreamCap(self.settings.max_streams)
 
 
 def ctx() -> ApiContext:
