@@ -1,8 +1,9 @@
 """The front door, on the `tiny` model: 100, 500 and 2,000 streamed completions
 (`POST /v1/completions`, `stream: true`) opened at once and held open, against exo_tasks (2 API
 workers, one host) and mlx_lm.server. Reported: time to first byte p50/p99, `/healthz` p99
-while they are open (a new connection per probe), API memory, Redis connections, and errors
-(connection resets, refusals, streams with no first byte within TTFB_TIMEOUT_S).
+while they are open (a new connection per probe, from a process of its own), API memory, Redis
+connections, and errors (connection resets, refusals, streams with no first byte within
+TTFB_TIMEOUT_S).
 
 The streams are held by one asyncio client (a socket each, no thread) that keeps reading, so
 nothing backs up; the jobs queue behind the runner's batch, so the streams overlap for long.
@@ -14,6 +15,8 @@ import asyncio
 import json
 import logging
 import resource
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +24,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import psutil
-import requests
 
 from bench.config import Config
 from bench.contenders import Lab, start_exo, start_mlx_server
@@ -34,8 +36,8 @@ SECTION = "front_door"
 LEVELS = (100, 500, 2000)
 MAX_TOKENS = 256
 TTFB_TIMEOUT_S = 30.0
-HOLD_S = 10.0  # streams held open, /healthz probed meanwhile
-PROBE_EVERY_S = 0.05
+HOLD_S = 10.0  # streams held open, /healthz probed meanwhile (bench/probe.py)
+PROBE_S = HOLD_S - 1.0
 
 
 @dataclass
@@ -101,16 +103,15 @@ async def _hold(port: int, count: int, hold_s: float, opened: threading.Event) -
     return seen
 
 
-def _probe_healthz(url: str, stop: threading.Event, times: list[float]) -> None:
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            with requests.Session() as session:
-                session.get(url, timeout=10)
-            times.append(time.monotonic() - started)
-        except requests.RequestException:
-            times.append(10.0)
-        time.sleep(PROBE_EVERY_S)
+def _probe_healthz(url: str, seconds: float) -> list[float]:
+    """Probe times from bench.probe, in a session (and so a CPU share) of its own."""
+    argv = [sys.executable, "-m", "bench.probe", url, str(seconds)]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=seconds + 30, start_new_session=True
+    )
+    done.check_returncode()
+    times: list[float] = json.loads(done.stdout)
+    return times
 
 
 def _tree_rss_mib(processes: Processes, marker: str) -> float:
@@ -139,9 +140,9 @@ def _measure(
 ) -> None:
     port = int(url.rsplit(":", 1)[1])
     idle_mib = memory()
-    opened, stop = threading.Event(), threading.Event()
+    opened = threading.Event()
     probes: list[float] = []
-    prober = threading.Thread(target=_probe_healthz, args=(health_url, stop, probes))
+    prober = threading.Thread(target=lambda: probes.extend(_probe_healthz(health_url, PROBE_S)))
     during: dict[str, float] = {}
 
     def sample_while_open() -> None:
@@ -155,7 +156,6 @@ def _measure(
     sampler = threading.Thread(target=sample_while_open)
     sampler.start()
     seen = asyncio.run(_hold(port, count, HOLD_S, opened))
-    stop.set()
     sampler.join()
     prober.join()
     level = f"{count} streams"

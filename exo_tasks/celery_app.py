@@ -6,6 +6,7 @@ from celery import Celery
 
 from config.celery import celery_config
 from config.settings import Settings
+from exo_tasks.broker import reuse_clients
 from exo_tasks.store import Store
 
 INFERENCE_TASK = "exo.inference"
@@ -18,6 +19,7 @@ class ExoCelery(Celery):
 
     def __init__(self, settings: Settings) -> None:
         super().__init__("exo_tasks", include=["exo_tasks.tasks"])
+        reuse_clients()  # not a new redis-py client per message sent (exo_tasks/broker.py)
         self.settings = settings
         # This worker's incarnation (set by the worker before its pool forks): the owner that
         # the jobs it runs record. Empty outside a worker.

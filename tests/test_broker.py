@@ -10,9 +10,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
+import redis
 from kombu import Connection, Exchange, Message, Queue
 
+from config.settings import Settings
 from exo_tasks.broker import close_every_channel
+from exo_tasks.celery_app import ExoCelery
 from tests.support.processes import Processes, start_redis, wait_until
 
 
@@ -45,3 +49,23 @@ def test_a_connection_closes_whole_when_redis_is_gone(processes: Processes, tmp_
     connection.collect(socket_timeout=1)
     connection.close()
     assert task_channel.closed
+
+
+def test_sending_many_messages_builds_one_redis_client(
+    processes: Processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu built a redis-py client (160 µs) for every message and event it published."""
+    server = start_redis(processes, tmp_path / "redis")
+    app = ExoCelery(Settings(redis_url=server.url))
+    built: list[int] = []
+    build = redis.Redis.__init__
+
+    def counted(client: redis.Redis, *args: Any, **kwargs: Any) -> None:
+        built.append(1)
+        build(client, *args, **kwargs)
+
+    monkeypatch.setattr(redis.Redis, "__init__", counted)
+    for n in range(50):  # each a task message and its task-sent event
+        app.send_task("exo.nothing", args=[n], queue="broker-test")
+    assert redis.Redis.from_url(server.url).llen("broker-test") == 50
+    assert len(built) <= 5, len(built)  # one per channel (tasks, events), the result backend

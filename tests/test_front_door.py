@@ -150,6 +150,43 @@ def test_a_cold_api_process_hit_by_a_burst_opens_no_redis_connection_per_request
     assert clients <= POOL + 1, clients
 
 
+def exchange(port: int, *requests_sent: bytes) -> list[bytes]:
+    """The API's answers to `requests_sent`, one after the other on one connection."""
+    answers = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for request_sent in requests_sent:
+            sock.sendall(request_sent)
+            answer = first_bytes(sock)
+            length = int(answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(answer.partition(b"\r\n\r\n")[2]) < length:
+                answer += sock.recv(65536)
+            answers.append(answer)
+    return answers
+
+
+def test_a_probe_answered_at_accept_says_what_the_route_says(front_door: FrontDoor) -> None:
+    """A new connection's `GET /healthz` is answered before any request greenlet runs; the
+    same request after another on a kept-alive connection goes through Flask. Same answer."""
+    probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    [at_accept] = exchange(front_door.port, probe)
+    _, through_flask = exchange(
+        front_door.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", probe
+    )
+    # The first was answered at accept: gunicorn, which writes its own headers, never saw it.
+    assert b"server: gunicorn" not in at_accept.lower()
+    assert b"server: gunicorn" in through_flask.lower()
+    for answer in (at_accept, through_flask):
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), answer
+        assert b"content-type: application/json" in head.lower(), head
+        assert json.loads(body) == {"status": "ok"}
+    # Anything else on a new connection takes the usual way: a body, another path.
+    with_body = b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    assert exchange(front_door.port, with_body)[0].startswith(b"HTTP/1.1 200")
+    unknown = b"GET /healthzz HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert exchange(front_door.port, unknown)[0].startswith(b"HTTP/1.1 404")
+
+
 def test_a_stream_is_accepted_again_once_one_closes(front_door: FrontDoor) -> None:
     url = f"http://127.0.0.1:{front_door.port}/v1/jobs/{front_door.job_ids[0]}/stream"
     with ExitStack() as open_streams:

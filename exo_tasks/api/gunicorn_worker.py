@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import resource
+import select
 import socket
 import sys
 from collections.abc import Iterator
@@ -31,18 +32,24 @@ from typing import Any
 import gevent
 from gevent import socket as gsocket
 from gevent.local import local
+from gevent.monkey import get_original
+from gevent.server import StreamServer
 from gunicorn import util
 from gunicorn.http.errors import NoMoreData
+from gunicorn.workers import ggevent
 from gunicorn.workers.base_async import AsyncWorker
 from gunicorn.workers.ggevent import GeventWorker
 
 from config.settings import Settings
+from exo_tasks.api.models import HealthReply
 
 # Descriptors a worker needs beyond its connections: Redis, logs, the listening socket.
 SPARE_FDS = 256
 LINGER_S = 1.0
 STOP_GRACE_S = 0.1
 RECV_BYTES = 64 << 10
+# The OS's poll, not gevent's: asking whether bytes are waiting never switches to the hub.
+_os_poll = get_original("select", "poll")
 
 
 def write_json_error(sock: socket.socket, status: int, reason: str, message: str) -> None:
@@ -55,6 +62,59 @@ def write_json_error(sock: socket.socket, status: int, reason: str, message: str
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     util.write_nonblock(sock, head.encode("latin-1") + body)
+
+
+class ProbeAnsweringServer(StreamServer):  # type: ignore[misc]  # gevent is untyped here
+    """gevent's server, answering a liveness probe where its connection is accepted.
+
+    A new connection waits its turn behind every greenlet ready to run: with thousands of
+    streams writing and jobs being submitted, twice (accepted, then its request read), and a
+    probe that waits too long gets a healthy API restarted. `GET /healthz`, alone on a new
+    connection and already arrived whole, is answered in the accepting callback itself, as
+    the Flask route answers it (which still serves every other probe). Nothing here waits: it
+    runs in gevent's hub."""
+
+    def do_handle(self, client: Any, address: Any) -> None:
+        if not _answered_probe(client):
+            super().do_handle(client, address)
+
+
+_PROBE = b"GET /healthz HTTP/1."
+# A probe's request is small: anything longer, or with more header lines, goes through
+# gunicorn's own checks (request line, header count and size limits) like any request.
+PROBE_MAX_BYTES = 512
+PROBE_MAX_LINES = 16
+_PROBE_BODY = HealthReply().model_dump_json().encode()
+_PROBE_ANSWER = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_PROBE_BODY), _PROBE_BODY)
+)
+
+
+def _answered_probe(client: Any) -> bool:
+    """Answer and close `client` if what it sent so far is exactly one probe's request."""
+    if not _readable(client.fileno()):
+        return False
+    try:
+        head = client.recv(PROBE_MAX_BYTES + 1, socket.MSG_PEEK)
+    except OSError:
+        return False
+    end = head.find(b"\r\n\r\n") + 4
+    lowered = head.lower()
+    whole = head.startswith(_PROBE) and end == len(head)
+    has_body = b"\ncontent-length:" in lowered or b"\ntransfer-encoding:" in lowered
+    if not whole or has_body or head.count(b"\n") > PROBE_MAX_LINES:
+        return False
+    with contextlib.suppress(OSError):
+        client.recv(end)
+        client.send(_PROBE_ANSWER)
+        client.shutdown(socket.SHUT_WR)
+    client.close()
+    return True
+
+
+# gunicorn's gevent worker builds its server from this name, and has no setting for it.
+ggevent.StreamServer = ProbeAnsweringServer
 
 
 class RequestTimeout(Exception):
@@ -111,10 +171,13 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
 
     @contextlib.contextmanager
     def _request_deadline(self, client: Any) -> Iterator[None]:
-        try:
-            gsocket.wait_read(client.fileno(), timeout=self.cfg.keepalive)
-        except TimeoutError:  # silent since its last request (or since it connected)
-            raise NoMoreData() from None
+        # A request already here is read at once: waiting for it would park the connection
+        # in gevent's hub and queue it behind every other ready greenlet a second time.
+        if not _readable(client.fileno()):
+            try:
+                gsocket.wait_read(client.fileno(), timeout=self.cfg.keepalive)
+            except TimeoutError:  # silent since its last request (or since it connected)
+                raise NoMoreData() from None
         with gevent.Timeout(self.header_timeout_s, RequestTimeout):
             yield
 
@@ -135,6 +198,13 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
         else:
             super().handle_error(req, client, addr, exc)
         _linger(client)
+
+
+def _readable(fd: int) -> bool:
+    """Whether bytes (or the end) wait on `fd`, without waiting."""
+    poller = _os_poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _linger(client: Any) -> None:
