@@ -179,6 +179,7 @@ def test_a_probe_answered_at_accept_says_what_the_route_says(front_door: FrontDo
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), answer
         assert b"content-type: application/json" in head.lower(), head
+        assert b"\r\ndate: " in head.lower(), head
         assert json.loads(body) == {"status": "ok"}
     # Anything else on a new connection takes the usual way: a body, another path.
     with_body = b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"

@@ -27,6 +27,7 @@ import select
 import socket
 import sys
 from collections.abc import Iterator
+from email.utils import formatdate
 from typing import Any
 
 import gevent
@@ -85,10 +86,14 @@ _PROBE = b"GET /healthz HTTP/1."
 PROBE_MAX_BYTES = 512
 PROBE_MAX_LINES = 16
 _PROBE_BODY = HealthReply().model_dump_json().encode()
-_PROBE_ANSWER = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-    b"Content-Length: %d\r\n\r\n%s" % (len(_PROBE_BODY), _PROBE_BODY)
-)
+
+
+def _probe_answer() -> bytes:
+    date = formatdate(usegmt=True).encode()  # a 200 from a server with a clock has a Date
+    return (
+        b"HTTP/1.1 200 OK\r\nDate: %s\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (date, len(_PROBE_BODY), _PROBE_BODY)
+    )
 
 
 def _answered_probe(client: Any) -> bool:
@@ -107,7 +112,7 @@ def _answered_probe(client: Any) -> bool:
         return False
     with contextlib.suppress(OSError):
         client.recv(end)
-        client.send(_PROBE_ANSWER)
+        client.send(_probe_answer())
         client.shutdown(socket.SHUT_WR)
     client.close()
     return True
