@@ -1,7 +1,8 @@
-"""Celery's reconnect over kombu's Redis transport when Redis dies, as a worker's connection is
-then: a task channel holding an unacknowledged message with a BRPOP outstanding, and a
-broadcast channel. Deterministic here; under a running worker it depends on which socket
-notices first (tests/test_batch_recovery.py)."""
+"""kombu's Redis transport as exo_tasks patches it (exo_tasks/broker.py). Celery's reconnect
+when Redis dies, as a worker's connection is then: a task channel holding an unacknowledged
+message with a BRPOP outstanding, and a broadcast channel (deterministic here; under a running
+worker it depends on which socket notices first: tests/test_batch_recovery.py). And the
+redis-py clients kombu builds to send messages."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_a_connection_closes_whole_when_redis_is_gone(processes: Processes, tmp_
     assert task_channel.closed
 
 
-def test_sending_many_messages_builds_one_redis_client(
+def test_sending_many_messages_builds_a_redis_client_per_channel_not_per_message(
     processes: Processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kombu built a redis-py client (160 µs) for every message and event it published."""

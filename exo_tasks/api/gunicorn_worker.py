@@ -104,9 +104,9 @@ def _answered_probe(client: Any) -> bool:
         head = client.recv(PROBE_MAX_BYTES + 1, socket.MSG_PEEK)
     except OSError:
         return False
-    end = head.find(b"\r\n\r\n") + 4
+    end = head.find(b"\r\n\r\n") + len(b"\r\n\r\n")
     lowered = head.lower()
-    whole = head.startswith(_PROBE) and end == len(head)
+    whole = head.startswith(_PROBE) and end == len(head)  # its head, and nothing after it
     has_body = b"\ncontent-length:" in lowered or b"\ntransfer-encoding:" in lowered
     if not whole or has_body or head.count(b"\n") > PROBE_MAX_LINES:
         return False
@@ -116,10 +116,6 @@ def _answered_probe(client: Any) -> bool:
         client.shutdown(socket.SHUT_WR)
     client.close()
     return True
-
-
-# gunicorn's gevent worker builds its server from this name, and has no setting for it.
-ggevent.StreamServer = ProbeAnsweringServer
 
 
 class RequestTimeout(Exception):
@@ -147,8 +143,10 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
         limit = raise_fd_limit(self.worker_connections + SPARE_FDS)
         if limit < self.worker_connections + SPARE_FDS:
             self.log.warning("open files limited to %d: fewer connections fit", limit)
-        # gunicorn writes its error pages through this one function, and has no setting for it.
+        # gunicorn writes its error pages through this one function, and builds its server from
+        # this name; it has no setting for either.
         util.write_error = write_json_error
+        ggevent.StreamServer = ProbeAnsweringServer
         self._client = local()
         super().init_process()
 
