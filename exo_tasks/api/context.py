@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from flask import current_app
 
 from config.settings import Settings
 from exo_tasks import jobs
+from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals
 from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.fleet import SharedReads
@@ -40,16 +43,36 @@ class ApiContext:
         url = settings.effective_redis_url
         self.hub = EventHub(lambda: connect(url), settings.stream_buffer_events)
         self.streams = StreamCap(settings.max_streams)
+        self.arrivals = Arrivals()
+        self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 
     def submit(
-        self, job_request: JobRequest, job_id: str | None = None, where: jobs.Route | None = None
+        self,
+        job_request: JobRequest,
+        job_id: str | None = None,
+        where: jobs.Route | None = None,
+        *,
+        after_arrivals: bool = False,
     ) -> JobRecord:
         """jobs.submit, routed by the shared reads, on one of SENDERS long-lived threads
         (greenlets under gevent). Celery keeps a result backend, with a Redis connection of its
         own, per thread: submitted from each request's own greenlet, every job cost a
-        connection that stayed open."""
+        connection that stayed open.
+
+        `after_arrivals` (a stream's job, after its first byte): sent once the host's arrivals
+        are in (arrivals.py). Such jobs pass the door SENDERS at a time, each looking again
+        just before it is sent, so a burst that resumes holds back the ones not yet sent; and
+        they never hold a sender while they wait, so other submissions do not."""
         where = where or jobs.route(self.reads.fleet(), self.settings, job_request)
+        if not after_arrivals:
+            return self._send(job_request, job_id, where)
+        deadline = time.monotonic() + MAX_WAIT_S
+        with self._past_the_door:
+            self.arrivals.wait_until_quiet(deadline - time.monotonic())
+            return self._send(job_request, job_id, where)
+
+    def _send(self, job_request: JobRequest, job_id: str | None, where: jobs.Route) -> JobRecord:
         return self._senders.submit(
             jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where
         ).result()

@@ -1,9 +1,15 @@
 """gunicorn's settings for `exo-tasks api` (`gunicorn -c python:exo_tasks.api.gunicorn_conf`),
 from the project's Settings."""
 
+from typing import Any
+
 from config.settings import Settings
+from exo_tasks.api.arrivals import Board, Seating
 
 _settings = Settings()
+# The doors of this host's API processes (see arrivals.py), made here, in the master, so that
+# every worker it forks shares it.
+_seating = Seating(Board())
 
 bind = f"{_settings.api_host}:{_settings.api_port}"
 workers = _settings.api_workers
@@ -15,3 +21,12 @@ worker_connections = 2 * _settings.max_streams + 1024
 graceful_timeout = 5
 # How long a connection may stay silent, between requests or in the middle of one.
 keepalive = 5
+
+
+def pre_fork(server: Any, worker: Any) -> None:
+    worker.arrivals_board = _seating.board
+    worker.arrivals_seat = _seating.seat()
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    _seating.free(worker.arrivals_seat)

@@ -42,6 +42,7 @@ from gunicorn.workers.base_async import AsyncWorker
 from gunicorn.workers.ggevent import GeventWorker
 
 from config.settings import Settings
+from exo_tasks.api import arrivals
 from exo_tasks.api.models import HealthReply
 
 # Descriptors a worker needs beyond its connections: Redis, logs, the listening socket.
@@ -147,6 +148,8 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
         # this name; it has no setting for either.
         util.write_error = write_json_error
         ggevent.StreamServer = ProbeAnsweringServer
+        if getattr(self, "arrivals_seat", None) is not None:  # given by gunicorn_conf.pre_fork
+            arrivals.take_seat(self.arrivals_board, self.arrivals_seat)
         self._client = local()
         super().init_process()
 

@@ -183,25 +183,34 @@ def completions() -> Response:
 
 def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     context = ctx()
-    body = kind.model_validate(json_body(), context={"max_tokens_cap": context.settings.max_tokens})
-    job_request = jobs.parse_request(context.settings, body.job_fields())
-    if body.stream:
-        # Errors keep their statuses before the first byte, a full queue's 429 too (the job's
-        # creation counts again: this is a read).
-        where = jobs.route(context.reads.fleet(), context.settings, job_request)
-        depth = context.reads.queue_depth(where.queue)
-        jobs.refuse_if_full(where.queue, depth, context.settings)
-        release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
-        plan = _Stream(
-            context, renderer, streams.close_connection(request.environ), body.include_usage
+    # Arriving until its answer is ready: a stream's first byte is written as this returns.
+    with context.arrivals.arriving():
+        body = kind.model_validate(
+            json_body(), context={"max_tokens_cap": context.settings.max_tokens}
         )
-        job_id = jobs.new_job_id()
-        response = sse_response(_stream(plan, job_request, job_id, where), on_close=release)
-    else:
-        job = context.submit(job_request)
-        job_id = job.id
-        response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
-    response.headers["X-Exo-Job-Id"] = job_id  # for GET /v1/jobs/<id>, its stream, or a cancel
+        job_request = jobs.parse_request(context.settings, body.job_fields())
+        if body.stream:
+            return _open_stream(context, renderer, job_request, body.include_usage)
+    job = context.submit(job_request)
+    response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
+    response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
+    return response
+
+
+def _open_stream(
+    context: ApiContext, renderer: Renderer, job_request: JobRequest, include_usage: bool
+) -> Response:
+    """A streamed answer whose job is submitted after its first byte (see _stream). Errors keep
+    their statuses before the first byte, a full queue's 429 too (the job's creation counts
+    again: this is a read)."""
+    where = jobs.route(context.reads.fleet(), context.settings, job_request)
+    depth = context.reads.queue_depth(where.queue)
+    jobs.refuse_if_full(where.queue, depth, context.settings)
+    release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
+    plan = _Stream(context, renderer, streams.close_connection(request.environ), include_usage)
+    job_id = jobs.new_job_id()
+    response = sse_response(_stream(plan, job_request, job_id, where), on_close=release)
+    response.headers["X-Exo-Job-Id"] = job_id
     return response
 
 
@@ -252,12 +261,13 @@ def _stream(
     plan: _Stream, job_request: JobRequest, job_id: str, where: jobs.Route
 ) -> Iterator[str]:
     """The first byte at once, then the job submitted (already routed), then its chunks.
-    Thousands of clients arriving together each get their first byte within moments while
-    their submissions take turns; a submission refused after all (the queue filled meanwhile,
-    Redis went down) ends the stream with the error, in OpenAI's shape."""
+    Thousands of clients arriving together each get their first byte within moments, and
+    their jobs are submitted once the burst is in (arrivals.py); a submission refused after
+    all (the queue filled meanwhile, Redis went down) ends the stream with the error, in
+    OpenAI's shape."""
     yield KEEPALIVE
     try:
-        job = plan.context.submit(job_request, job_id, where)
+        job = plan.context.submit(job_request, job_id, where, after_arrivals=True)
     except Exception as exc:  # noqa: BLE001 (the error funnel decides, and logs the unexpected)
         yield _data(json.loads(errors.handle(exc).get_data()))
         yield DONE

@@ -1,0 +1,154 @@
+"""First bytes before jobs: a burst of streamed completions gets its first bytes out before any
+of its jobs is submitted.
+
+A streamed completion's first byte (a keepalive comment) goes out before its job is submitted
+(see openai._stream). When thousands arrive at once, the first jobs submitted start their
+runner, which on a host that runs both takes its share of the CPU from the requests still
+waiting for their first byte: measured on 2 cores at 2,000 streams, the first byte's p99 (from
+the request sent) went from ~1 s with the runner idle to 3.5-5 s with it decoding. So a
+streamed job's submission waits until no API process of the host has had a completion request
+between its arrival and its answer for QUIET_S, or for MAX_WAIT_S at most: under a load that
+never quiets, each job starts that much later and no later. At any steady rate the door is
+empty nearly all the time and a submission goes at once.
+
+The API processes of a host share one Board, a page of memory gunicorn's master makes before
+it forks them: each process's door has a seat there. Measured: with a door per process, the
+first process through its share of a burst started the runner, and the other's first bytes
+came 1-3 s later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+# A burst's requests reach their route one after another, not all at once: the door empties
+# for moments between them. Measured: a submission let through at the first empty moment
+# started the runner mid-burst; one that waits for QUIET_S of emptiness did not.
+QUIET_S = 0.01
+MAX_WAIT_S = 5.0
+# How often the one watcher of a process looks at the doors while submissions wait for them.
+WATCH_S = 0.005
+# Seats on a host's board: API processes, and their replacements while the old ones leave.
+SEATS = 256
+BUSY = float("inf")
+_QUIET_FROM = struct.Struct("d")  # per seat: when its door is quiet (time.monotonic, host-wide)
+
+
+class Board:
+    """When each API process's door is quiet, in memory shared with the processes forked after
+    it was made. A free seat reads 0: quiet since ever."""
+
+    def __init__(self, seats: int = SEATS) -> None:
+        self.seats = seats
+        self._memory = mmap.mmap(-1, seats * _QUIET_FROM.size)  # anonymous, shared on fork
+
+    def publish(self, seat: int, quiet_from: float) -> None:
+        _QUIET_FROM.pack_into(self._memory, seat * _QUIET_FROM.size, quiet_from)
+
+    def quiet_from(self) -> float:
+        """When every door is quiet: the latest of the seats."""
+        latest: float = max(value for (value,) in _QUIET_FROM.iter_unpack(self._memory))
+        return latest
+
+
+class Seating:
+    """Gunicorn's master side of a board: a seat for each worker it forks, freed when the
+    worker exits however (a SIGKILLed worker's door, busy forever, would hold every job)."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+        self._taken: set[int] = set()
+
+    def seat(self) -> int | None:
+        free = next((s for s in range(self.board.seats) if s not in self._taken), None)
+        if free is not None:
+            self._taken.add(free)
+            self.board.publish(free, 0.0)
+        return free
+
+    def free(self, seat: int | None) -> None:
+        if seat is not None:
+            self._taken.discard(seat)
+            self.board.publish(seat, 0.0)
+
+
+# This process's seat on its host's board (StreamingWorker.init_process), if it has one.
+_shared_seat: tuple[Board, int] | None = None
+
+
+def take_seat(board: Board, seat: int) -> None:
+    global _shared_seat
+    _shared_seat = (board, seat)
+
+
+class Arrivals:
+    """The completion requests of this process between their arrival and their answer, and
+    the submissions waiting for the doors of the host. Threads and greenlets alike (gevent
+    patches threading: a waiting submission is a greenlet parked on an event, woken by one
+    watcher). Outside gunicorn (tests, a single process) the board is this process's own."""
+
+    def __init__(
+        self, quiet_s: float = QUIET_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.quiet_s = quiet_s
+        self._clock = clock
+        self._board, self._seat = _shared_seat or (Board(seats=1), 0)
+        self._lock = threading.Lock()
+        self._arriving = 0
+        self._board.publish(self._seat, clock())
+        self._waiters = 0
+        self._watching = False
+        self._quiet = threading.Event()  # set by the watcher, cleared by every arrival
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """A request on its way to its answer (for a stream: to its first byte)."""
+        with self._lock:
+            self._arriving += 1
+            if self._arriving == 1:
+                self._board.publish(self._seat, BUSY)
+            self._quiet.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._arriving -= 1
+                if self._arriving == 0:
+                    self._board.publish(self._seat, self._clock() + self.quiet_s)
+
+    def quiet(self) -> bool:
+        """Whether no request has been arriving, at any door of the host, for quiet_s."""
+        return self._board.quiet_from() <= self._clock()
+
+    def wait_until_quiet(self, timeout_s: float = MAX_WAIT_S) -> None:
+        """Return once quiet(), or after timeout_s."""
+        if timeout_s <= 0 or self.quiet():
+            return
+        with self._lock:
+            self._quiet.clear()  # set for a moment now past: another process's door opened since
+            self._waiters += 1
+            start_watcher = not self._watching
+            self._watching = True
+        if start_watcher:
+            threading.Thread(target=self._watch, name="exo-arrivals", daemon=True).start()
+        try:
+            self._quiet.wait(timeout_s)
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+    def _watch(self) -> None:
+        """Opens the door to the waiting submissions once it is quiet; ends with the last."""
+        while True:
+            with self._lock:
+                if self._waiters == 0:
+                    self._watching = False
+                    return
+            if self.quiet():
+                self._quiet.set()
+            time.sleep(WATCH_S)

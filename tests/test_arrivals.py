@@ -1,0 +1,136 @@
+"""Arrivals: a streamed job waits until no request has been on its way to its answer for
+QUIET_S, at any API process of the host, and never longer than its timeout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from exo_tasks.api import arrivals
+from exo_tasks.api.arrivals import QUIET_S, Arrivals, Board, Seating, take_seat
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_door_is_quiet_once_nobody_has_been_arriving_for_quiet_s() -> None:
+    clock = Clock()
+    arrivals = Arrivals(clock=clock)
+    clock.now += QUIET_S
+    assert arrivals.quiet()
+    with arrivals.arriving(), arrivals.arriving():
+        assert not arrivals.quiet()
+        clock.now += 10 * QUIET_S
+        assert not arrivals.quiet()  # however long they take
+    assert not arrivals.quiet()  # emptied just now
+    clock.now += QUIET_S / 2
+    assert not arrivals.quiet()
+    clock.now += QUIET_S / 2 + 1e-6
+    assert arrivals.quiet()
+
+
+def test_a_request_that_fails_on_its_way_leaves_the_door_all_the_same() -> None:
+    clock = Clock()
+    arrivals = Arrivals(clock=clock)
+    try:
+        with arrivals.arriving():
+            raise ValueError("an invalid request: 400")
+    except ValueError:
+        pass
+    clock.now += QUIET_S
+    assert arrivals.quiet()
+
+
+def waited_s(arrivals: Arrivals, held_s: float, timeout_s: float, *, crowd: bool) -> float:
+    """How long a job waits for the door while requests arrive for `held_s`: one that stays
+    that long, or (`crowd`) one after another with no gap."""
+
+    def arrive() -> None:
+        deadline = time.monotonic() + held_s
+        while time.monotonic() < deadline:
+            with arrivals.arriving():
+                time.sleep(0.001 if crowd else held_s)
+
+    door = threading.Thread(target=arrive)
+    door.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    arrivals.wait_until_quiet(timeout_s)
+    waited = time.monotonic() - started
+    door.join()
+    return waited
+
+
+def test_a_job_goes_at_once_through_a_quiet_door_and_after_the_burst_through_a_busy_one() -> None:
+    arrivals = Arrivals()
+    started = time.monotonic()
+    arrivals.wait_until_quiet(5)
+    assert time.monotonic() - started < 0.1
+    waited = waited_s(arrivals, held_s=0.3, timeout_s=5, crowd=False)
+    assert 0.25 + QUIET_S <= waited < 1.0, waited
+
+
+def test_a_door_that_never_quiets_holds_a_job_no_longer_than_its_timeout() -> None:
+    waited = waited_s(Arrivals(), held_s=1.0, timeout_s=0.3, crowd=True)
+    assert 0.3 <= waited < 0.6, waited
+
+
+def sibling(board: Board, seat: int, inside: Any, leave: Any) -> None:
+    """Another API process of the host (forked, as gunicorn forks them), one request arriving
+    until `leave` is set."""
+    take_seat(board, seat)
+    with Arrivals().arriving():
+        inside.set()
+        leave.wait(30)
+
+
+@pytest.fixture
+def seating(monkeypatch: pytest.MonkeyPatch) -> Seating:
+    seating = Seating(Board(seats=4))
+    monkeypatch.setattr(arrivals, "_shared_seat", (seating.board, seating.seat()))
+    return seating
+
+
+def test_the_api_processes_of_a_host_wait_for_each_other_s_doors(seating: Seating) -> None:
+    here = Arrivals()
+    fork = multiprocessing.get_context("fork")
+    inside, leave = fork.Event(), fork.Event()
+    other = fork.Process(target=sibling, args=(seating.board, seating.seat(), inside, leave))
+    other.start()
+    try:
+        assert inside.wait(30)
+        time.sleep(2 * QUIET_S)
+        assert not here.quiet()  # nobody arrives here, but there
+        leave.set()
+        other.join(30)
+        time.sleep(2 * QUIET_S)
+        assert here.quiet()
+    finally:
+        other.kill()
+
+
+def test_a_worker_killed_on_its_way_frees_its_seat_when_the_master_reaps_it(
+    seating: Seating,
+) -> None:
+    here = Arrivals()
+    fork = multiprocessing.get_context("fork")
+    inside, leave = fork.Event(), fork.Event()
+    seat = seating.seat()
+    other = fork.Process(target=sibling, args=(seating.board, seat, inside, leave))
+    other.start()
+    assert inside.wait(30)
+    other.kill()
+    other.join(30)
+    time.sleep(2 * QUIET_S)
+    assert not here.quiet()  # its door stays busy: every job would wait MAX_WAIT_S
+    seating.free(seat)  # gunicorn_conf.child_exit, in the master
+    assert here.quiet()
