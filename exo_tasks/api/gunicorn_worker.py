@@ -26,7 +26,7 @@ import resource
 import select
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from typing import Any
 
@@ -35,7 +35,7 @@ from gevent import socket as gsocket
 from gevent.local import local
 from gevent.monkey import get_original
 from gevent.server import StreamServer
-from gunicorn import util
+from gunicorn import http, util
 from gunicorn.http.errors import NoMoreData
 from gunicorn.workers import ggevent
 from gunicorn.workers.base_async import AsyncWorker
@@ -148,6 +148,7 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
         # this name; it has no setting for either.
         util.write_error = write_json_error
         ggevent.StreamServer = ProbeAnsweringServer
+        http.get_parser = self._remembered(http.get_parser)
         if getattr(self, "arrivals_seat", None) is not None:  # given by gunicorn_conf.pre_fork
             arrivals.take_seat(self.arrivals_board, self.arrivals_seat)
         self._client = local()
@@ -171,15 +172,26 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
         self._client.socket = client
         AsyncWorker.handle(self, listener, client, addr)
 
+    def _remembered(self, get_parser: Callable[..., Any]) -> Callable[..., Any]:
+        """gunicorn's parser factory, keeping each connection's parser for timeout_ctx."""
+
+        def get_remembered_parser(*args: Any, **kwargs: Any) -> Any:
+            self._client.parser = get_parser(*args, **kwargs)
+            return self._client.parser
+
+        return get_remembered_parser
+
     def timeout_ctx(self) -> contextlib.AbstractContextManager[None]:
         """Wraps each wait for a request (gunicorn's keep-alive loop)."""
-        return self._request_deadline(self._client.socket)
+        return self._request_deadline(self._client.socket, self._client.parser)
 
     @contextlib.contextmanager
-    def _request_deadline(self, client: Any) -> Iterator[None]:
+    def _request_deadline(self, client: Any, parser: Any) -> Iterator[None]:
         # A request already here is read at once: waiting for it would park the connection
-        # in gevent's hub and queue it behind every other ready greenlet a second time.
-        if not _readable(client.fileno()):
+        # in gevent's hub and queue it behind every other ready greenlet a second time. It
+        # may be here already read: a client that pipelines sends the next request with the
+        # last, and gunicorn's parser holds what it read past the last one.
+        if not (_read_ahead(parser) or _readable(client.fileno())):
             try:
                 gsocket.wait_read(client.fileno(), timeout=self.cfg.keepalive)
             except TimeoutError:  # silent since its last request (or since it connected)
@@ -204,6 +216,12 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
         else:
             super().handle_error(req, client, addr, exc)
         _linger(client)
+
+
+def _read_ahead(parser: Any) -> bool:
+    """Whether gunicorn's parser holds bytes it read past the last request."""
+    unreader = getattr(parser, "unreader", None)
+    return unreader is not None and bool(unreader.buf.getvalue())
 
 
 def _readable(fd: int) -> bool:
