@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -16,11 +17,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 import requests
 
 from config.settings import Settings
+from exo_tasks.api.arrivals import MAX_WAIT_S
 from exo_tasks.api.streams import EventHub, StreamOverflow
 from exo_tasks.store import Store, connect, events_key
 from exo_tasks.types import JobRecord, JobRequest, TokenEvent
@@ -177,12 +180,27 @@ CROWD = 500  # arriving over 1.5 s
 SPACING_S = 0.003
 
 
-def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_submitted(
+@dataclass
+class StreamingApi:
+    """`exo-tasks api` (gunicorn, one worker) on the session's Redis, whose host-a serves tiny."""
+
+    port: int
+    master: subprocess.Popen[bytes]
+    log_path: Path
+
+    def worker_pid(self) -> int | None:
+        """Its one worker's, or None between a worker's end and its replacement."""
+        workers = psutil.Process(self.master.pid).children()
+        return workers[0].pid if len(workers) == 1 else None
+
+    def serving(self) -> None:
+        wait_http(f"http://127.0.0.1:{self.port}/healthz", self.master, self.log_path)
+
+
+@pytest.fixture
+def streaming_api(
     stack: Stack, processes: Processes, tmp_path: Path, tiny_model: Path
-) -> None:
-    """A streamed completion's first byte goes out before its job is submitted; in a burst,
-    its job also waits for the burst's last first byte (exo_tasks/api/arrivals.py), so that
-    the runner the first jobs start does not take the CPU from the streams still waiting."""
+) -> StreamingApi:
     port = free_port()
     env = exo_env(
         redis_url=stack.redis.url,
@@ -192,16 +210,35 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
         data_dir=tmp_path,
     )
     log_path = tmp_path / "api.log"
-    api = processes.start([EXO_TASKS, "api"], env, log_path)
-    wait_http(f"http://127.0.0.1:{port}/healthz", api, log_path)
-    body = json.dumps({"prompt": "one of a burst", "max_tokens": 4, "stream": True})
-    request = (
+    api = StreamingApi(port, processes.start([EXO_TASKS, "api"], env, log_path), log_path)
+    api.serving()
+    return api
+
+
+def streamed_completion(prompt: str) -> bytes:
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True})
+    return (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n{body}"
     ).encode()
+
+
+def job_id_in(head: bytes) -> str:
+    return head.split(b"X-Exo-Job-Id: ")[1].split(b"\r\n")[0].decode()
+
+
+def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_submitted(
+    stack: Stack, streaming_api: StreamingApi
+) -> None:
+    """A streamed completion's first byte goes out before its job is submitted; in a burst,
+    its job also waits for the burst's last first byte (exo_tasks/api/arrivals.py), so that
+    the runner the first jobs start does not take the CPU from the streams still waiting."""
+    request = streamed_completion("one of a crowd")
     with ExitStack() as open_streams:
         socks = [
-            open_streams.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
+            open_streams.enter_context(
+                socket.create_connection(("127.0.0.1", streaming_api.port), timeout=30)
+            )
             for _ in range(CROWD)
         ]
 
@@ -214,7 +251,7 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
         sender.start()
         heads = heads_as_they_arrive(socks)
         sender.join()
-        job_ids = [head.split(b"X-Exo-Job-Id: ")[1].split(b"\r\n")[0].decode() for _, head in heads]
+        job_ids = [job_id_in(head) for _, head in heads]
         records = wait_until(
             lambda: (
                 [stack.store.get_job(job_id) for job_id in job_ids]
@@ -230,6 +267,28 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
     # Not one before the last first byte (seen a moment after it was sent; a few may slip in
     # that moment); without the wait, most of them.
     assert len(early) <= CROWD // 10, f"{len(early)} of {CROWD} jobs submitted mid-crowd"
+
+
+def test_a_worker_killed_with_a_request_on_its_way_in_holds_back_no_later_job(
+    stack: Stack, streaming_api: StreamingApi
+) -> None:
+    """Its door was busy when it died: gunicorn's master frees its seat on the host's board
+    as it reaps it (gunicorn_conf.child_exit), or every streamed job would wait MAX_WAIT_S."""
+    killed = streaming_api.worker_pid()
+    assert killed is not None
+    with socket.create_connection(("127.0.0.1", streaming_api.port), timeout=30) as held:
+        # On its way in for as long as its body trickles: the route is reading it.
+        held.sendall(streamed_completion("held")[:-20])
+        time.sleep(0.5)
+        os.kill(killed, signal.SIGKILL)
+        wait_until(lambda: streaming_api.worker_pid() not in (None, killed), 30, "a new API worker")
+        streaming_api.serving()
+        with socket.create_connection(("127.0.0.1", streaming_api.port), timeout=30) as sock:
+            sock.sendall(streamed_completion("after the kill"))
+            head = first_bytes(sock)
+            first_byte_at = time.time()
+            job = wait_until(lambda: stack.store.get_job(job_id_in(head)), 30, "the job submitted")
+    assert job.created_at.timestamp() - first_byte_at < MAX_WAIT_S / 2
 
 
 def read_answers(sock: socket.socket, count: int) -> list[bytes]:
