@@ -33,8 +33,6 @@ QUIET_S = 0.01
 MAX_WAIT_S = 5.0
 # How often the one watcher of a process looks at the doors while submissions wait for them.
 WATCH_S = 0.005
-# Seats on a host's board: API processes, and their replacements while the old ones leave.
-SEATS = 256
 BUSY = float("inf")
 _QUIET_FROM = struct.Struct("d")  # per seat: when its door is quiet (time.monotonic, host-wide)
 
@@ -43,7 +41,7 @@ class Board:
     """When each API process's door is quiet, in memory shared with the processes forked after
     it was made. A free seat reads 0: quiet since ever."""
 
-    def __init__(self, seats: int = SEATS) -> None:
+    def __init__(self, seats: int) -> None:
         self.seats = seats
         self._memory = mmap.mmap(-1, seats * _QUIET_FROM.size)  # anonymous, shared on fork
 
@@ -58,7 +56,8 @@ class Board:
 
 class Seating:
     """Gunicorn's master side of a board: a seat for each worker it forks, freed when the
-    worker exits however (a SIGKILLed worker's door, busy forever, would hold every job)."""
+    worker exits however (a SIGKILLed worker's door, busy forever, would hold every job). A
+    worker forked when every seat is taken (workers added by TTIN) keeps a door of its own."""
 
     def __init__(self, board: Board) -> None:
         self.board = board
@@ -130,7 +129,7 @@ class Arrivals:
         if timeout_s <= 0 or self.quiet():
             return
         with self._lock:
-            self._quiet.clear()  # set for a moment now past: another process's door opened since
+            self._quiet.clear()  # the doors were quiet a moment ago; a request arrived since
             self._waiters += 1
             start_watcher = not self._watching
             self._watching = True

@@ -8,8 +8,9 @@ from exo_tasks.api.arrivals import Board, Seating
 
 _settings = Settings()
 # The doors of this host's API processes (see arrivals.py), made here, in the master, so that
-# every worker it forks shares it.
-_seating = Seating(Board())
+# every worker it forks shares it: a seat for each worker and for its replacement, which a
+# reload starts before the old one leaves. Every streamed request reads every seat.
+_seating = Seating(Board(seats=2 * _settings.api_workers))
 
 bind = f"{_settings.api_host}:{_settings.api_port}"
 workers = _settings.api_workers
