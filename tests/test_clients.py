@@ -221,8 +221,11 @@ def test_langchain_completions_class_with_its_defaults(stack: Stack) -> None:
         extra_body=HOST_A,
     )
     assert llm.frequency_penalty == 0 and llm.presence_penalty == 0 and llm.n == 1
-    text = llm.invoke("Once upon a time")
-    assert isinstance(text, str) and len(text) > 0
+    [[generation]] = llm.generate(["Once upon a time"]).generations
+    # Sampled at 0.7 with no seed, the tiny model may draw its end token first: "" is an answer.
+    assert isinstance(generation.text, str)
+    assert generation.generation_info is not None
+    assert generation.generation_info["finish_reason"] in {"stop", "length"}
     seeded = OpenAI(
         model="tiny",
         base_url=stack.api.url + "/v1",
