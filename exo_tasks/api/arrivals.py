@@ -102,7 +102,9 @@ class Arrivals:
         self._board.publish(self._seat, clock())
         self._waiters = 0
         self._watching = False
-        self._quiet = threading.Event()  # set by the watcher, cleared by every arrival
+        # Set by the watcher once the doors are quiet, cleared by each submission that finds
+        # them busy again before it waits (a request may have arrived at any process since).
+        self._quiet = threading.Event()
 
     @contextlib.contextmanager
     def arriving(self) -> Iterator[None]:
@@ -111,7 +113,6 @@ class Arrivals:
             self._arriving += 1
             if self._arriving == 1:
                 self._board.publish(self._seat, BUSY)
-            self._quiet.clear()
         try:
             yield
         finally:
@@ -129,7 +130,7 @@ class Arrivals:
         if timeout_s <= 0 or self.quiet():
             return
         with self._lock:
-            self._quiet.clear()  # the doors were quiet a moment ago; a request arrived since
+            self._quiet.clear()
             self._waiters += 1
             start_watcher = not self._watching
             self._watching = True
