@@ -7,6 +7,13 @@ prompt's longest cached prefix. It waits longer while a job in prefill (in any l
 least HOLD_MIN_TOKENS of its prompt that the cache does not have yet: jobs that arrive together
 with one system prompt then prefill it once, and all reuse it, instead of all prefilling it side
 by side.
+
+With a token budget (on the CPU, where a step's time grows with the tokens it computes), a job
+also waits while the lane's next step would prefill more than the budget, and a step prefills
+each prompt up to where the shortest one ends. Every prompt in a step waits for the whole step
+for its first token, so prompts prefilled a few at a time, shortest first, get their first
+tokens sooner; and no prompt is padded to a longer one, so no token is computed for nothing.
+A step always prefills at least one prompt.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
-from exo_tasks.prompt_cache import PromptCache
+from exo_tasks.prompt_cache import Lookup, PromptCache
 from exo_tasks.toolcalls import ToolCallSplitter, held_back
 from exo_tasks.types import TokenEvent
 from exo_tasks.wire import TokenLogprob, ToolCall
@@ -70,6 +77,8 @@ class LaneJob:
     tools: ToolCallSplitter | None
     key: np.ndarray = field(init=False)  # the prompt, to compare with others'
     uid: int | None = None  # its generator's, once it has joined it
+    lookup: Lookup | None = None  # its cached prefix, once looked up
+    prefill_left: int = 0  # prompt tokens still to prefill, once it has joined the generator
     cached_tokens: int = 0
     text: str = ""  # decoded so far, cut before a stop string once one is found
     published: int = 0  # length of the prefix of `text` already handed out
@@ -125,9 +134,12 @@ class Lane:
         completion_batch_size: int,
         prefill_batch_size: int,
         prefill_step_size: int,
+        prefill_token_budget: int = 0,
     ) -> None:
         self.submit = submit
         self.prefill_batch_size = prefill_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.prefill_token_budget = prefill_token_budget  # 0: no budget
         self.jobs: dict[int, LaneJob] = {}  # in the generator, by uid
         self.waiting: deque[LaneJob] = deque()  # not yet in it
         self.prefilling: set[int] = set()  # uids still in prefill
@@ -153,8 +165,8 @@ class Lane:
     ) -> list[tuple[LaneJob, Exception]]:
         """Move waiting jobs into the generator while it has room to prefill them, each from
         its prompt's longest cached prefix, unless one of the jobs `computing` their prompt
-        (which the admitted join) is computing that prefix; the jobs that could not join, and
-        why."""
+        (which the admitted join) is computing that prefix; in order, while the next step's
+        prefill stays within the budget. The jobs that could not join, and why."""
         failed: list[tuple[LaneJob, Exception]] = []
         held: list[LaneJob] = []
         while self.waiting and len(self.prefilling) < self.prefill_batch_size:
@@ -163,7 +175,12 @@ class Lane:
                 held.append(job)
                 continue
             try:
-                uid = self.call(self._insert, job, cache)
+                # Looked up once: kept while the job waits for the budget (still a valid prefix).
+                lookup = job.lookup = job.lookup or self.call(cache.fetch, job.prompt)
+                if not self._within_budget(len(lookup.rest)):
+                    held.append(job)
+                    break
+                uid = self.call(self._insert, job, lookup)
             except Exception as exc:  # noqa: BLE001 (the job's own failure)
                 failed.append((job, exc))
                 continue
@@ -173,21 +190,51 @@ class Lane:
         self.waiting.extendleft(reversed(held))
         return failed
 
-    def _insert(self, job: LaneJob, cache: PromptCache) -> int:
-        lookup = cache.fetch(job.prompt)
+    def _within_budget(self, rest: int) -> bool:
+        """Whether a prompt with `rest` tokens to prefill may join the next step: if the step
+        then computes no more tokens than the budget, or than it would without it (a short
+        prompt may join a long one's step: the step stops where the short one ends)."""
+        if not self.prefill_token_budget:
+            return True
+        before = self._computing([self.jobs[uid].prefill_left for uid in self.prefilling])
+        if not before:
+            return True
+        after = [*before, *self._computing([rest])]
+        cost_before = len(before) * self._chunk(before)
+        return len(after) * self._chunk(after) <= max(self.prefill_token_budget, cost_before)
+
+    @staticmethod
+    def _computing(prefill_left: list[int]) -> list[int]:
+        """Of prompts with these tokens left, the tokens a step may compute: all but the last
+        token (the generator samples from it: it is the first decoding step's)."""
+        return [left - 1 for left in prefill_left if left > 1]
+
+    def _chunk(self, computing: list[int]) -> int:
+        """The tokens of each prompt the next step computes, with a budget: up to where the
+        shortest prompt ends, so that no prompt is padded to a longer one."""
+        return min([self.prefill_step_size, *computing])
+
+    def _insert(self, job: LaneJob, lookup: Lookup) -> int:
         (uid,) = self.generator.insert(
             [lookup.rest],
             caches=[lookup.cache],
             all_tokens=[job.prompt[: lookup.cached_tokens]],
             **job.insert,
         )
-        job.uid, job.cached_tokens = uid, lookup.cached_tokens
+        job.uid, job.cached_tokens, job.prefill_left = uid, lookup.cached_tokens, len(lookup.rest)
+        job.lookup = None  # the generator holds the state now
         return int(uid)
 
     def advance(self, keep: bool) -> Advance:
         """The generator's next step, on the lane's thread; `keep`: with the KV states of the
         prompts it finished prefilling and the sequences it ended, evaluated here."""
+        if self.prefill_token_budget:
+            left = [self.jobs[uid].prefill_left for uid in self.prefilling]
+            self.generator.prefill_step_size = self._chunk(self._computing(left))
         prompts, responses = self.generator.next()
+        for p in prompts:
+            if (job := self.jobs.get(p.uid)) is not None:
+                job.prefill_left = p.progress[1] - p.progress[0]
         ended = [p.uid for p in prompts if p.end_of_prompt]
         self.prefilling.difference_update(ended)
         snapshots: list[Snapshot] = []

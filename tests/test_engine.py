@@ -33,9 +33,13 @@ def loaded(tiny_model: Path) -> tuple[Any, Any]:
     return loaded[0], loaded[1]
 
 
-@pytest.fixture(params=[1, 2], ids=["one_lane", "two_lanes"])
+@pytest.fixture(
+    params=[(1, None), (2, None), (2, 0)], ids=["one_lane", "two_lanes", "two_lanes_no_budget"]
+)
 def engine(loaded: tuple[Any, Any], request: pytest.FixtureRequest) -> Iterator[BatchEngine]:
-    engine = BatchEngine(*loaded, lanes=request.param)
+    """The CPU's default prefill budget, and none (a GPU's)."""
+    lanes, budget = request.param
+    engine = BatchEngine(*loaded, lanes=lanes, prefill_token_budget=budget)
     yield engine
     engine.close()
 
@@ -53,6 +57,8 @@ class Run:
     def __init__(self, engine: BatchEngine) -> None:
         self.engine = engine
         self.deltas: dict[str, list[TokenDelta]] = {}
+        self.steps = 0
+        self.first_step: dict[str, int] = {}  # job id -> the step that gave its first token
 
     def add(self, job_id: str, prompt: str, **params: Any) -> None:
         tokens = self.engine.encode(prompt, None)
@@ -61,7 +67,10 @@ class Run:
 
     def step(self) -> list[TokenDelta]:
         deltas = self.engine.step()
+        self.steps += 1
         for d in deltas:
+            if not self.deltas[d.job_id]:
+                self.first_step[d.job_id] = self.steps
             assert not self.deltas[d.job_id] or self.deltas[d.job_id][-1].finish_reason is None
             self.deltas[d.job_id].append(d)
         return deltas
@@ -245,6 +254,60 @@ def test_jobs_are_spread_over_lanes_that_step_together(loaded: tuple[Any, Any]) 
         for i, prompt in enumerate(PROMPTS[:6]):
             assert run.text(str(i)) == alone(loaded, prompt, 12)[0]
         assert run.text("late") == alone(loaded, PROMPTS[6], 12)[0]
+    finally:
+        engine.close()
+
+
+# Distinct prompts of 40-60 tokens (the tiny model's tokenizer is one character a token).
+LONG_PROMPTS = [f"{i} " + "once upon a time " * (2 + i) for i in range(3)]
+SHORT = "Hello there, how are you today?"  # ~31 tokens
+
+
+@pytest.mark.parametrize("budget", [0, 32], ids=["no_budget", "budget"])
+def test_prompts_that_arrive_together_are_prefilled_one_at_a_time_within_the_budget(
+    loaded: tuple[Any, Any], budget: int
+) -> None:
+    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=budget)
+    try:
+        run = Run(engine)
+        for i, prompt in enumerate(LONG_PROMPTS):
+            run.add(str(i), prompt, max_tokens=8)
+        run.until_done()
+        first_steps = [run.first_step[str(i)] for i in range(len(LONG_PROMPTS))]
+        # Every prompt in a step waits for the whole step: with the budget the first gets its
+        # first token after its own prefill, not after all three.
+        if budget:
+            assert first_steps[0] < first_steps[1] < first_steps[2]
+        else:
+            assert first_steps[0] == first_steps[1] == first_steps[2]
+        for i, prompt in enumerate(LONG_PROMPTS):
+            assert run.text(str(i)) == alone(loaded, prompt, 8)[0]
+    finally:
+        engine.close()
+
+
+def test_a_short_prompt_joins_a_long_ones_prefill_and_ends_it_where_it_ends(
+    loaded: tuple[Any, Any],
+) -> None:
+    """A long prompt takes its prefill budget step after step; a short one arriving meanwhile
+    is not held back until it is done, and neither is padded to the other (same text)."""
+    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=32)
+    try:
+        run = Run(engine)
+        # Two of these alone exceed the budget: it joins as the long one's step shrinks to it.
+        long_prompt = "".join(f"{i} little pigs; " for i in range(60))  # ~800 tokens
+        run.add("long", long_prompt, max_tokens=8)
+        run.step()  # its first chunk of PREFILL_STEP_SIZE tokens
+        run.add("short", SHORT, max_tokens=8)
+        run.until_done()
+        assert run.text("long") == alone(loaded, long_prompt, 8)[0]
+        assert run.text("short") == alone(loaded, SHORT, 8)[0]
+        # As soon as on an idle engine, and well before the long one's first token.
+        idle = Run(engine)
+        idle.add("short", SHORT, max_tokens=8)
+        idle.until_done()
+        assert run.first_step["short"] - 1 == idle.first_step["short"]
+        assert run.first_step["long"] > run.first_step["short"] + 2
     finally:
         engine.close()
 
