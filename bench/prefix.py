@@ -1,9 +1,10 @@
 """Prompt reuse on the `bench` model, exo_tasks with its prompt cache on and off against
 mlx_lm.server with its own: (a) a shared system prompt, 8 and 32 clients, each job a 400-token
 system prompt shared by all plus a distinct 20-token user turn, 64 tokens out; (b) multi-turn,
-8 conversations of 4 turns, each turn resending the history. Rows: TTFT p50, throughput, the
-share of prompt tokens served from a cache (as each server reports it in `usage`) and the
-memory (RSS) of the process that holds the model, at the end.
+8 conversations of 4 turns, each turn resending the history; and (b) again on two workers (one
+lane each), exo_tasks's prefix routing on and off. Rows: TTFT p50, throughput, the share of
+prompt tokens served from a cache (as each server reports it in `usage`) and the memory (RSS)
+of the processes that hold the model, at the end.
 
 Both servers are greedy on the same model, so both generate the same tokens.
 """
@@ -25,7 +26,17 @@ from tokenizers import Tokenizer
 from bench.chat_client import ChatClient, ChatTrace
 from bench.config import Config
 from bench.contenders import Lab, start_exo, start_mlx_server
-from bench.results import EXO, EXO_NO_CACHE, MLX_SERVER, Op, Results, Target, percentile
+from bench.results import (
+    EXO,
+    EXO_NO_CACHE,
+    EXO_TWO_WORKERS,
+    EXO_TWO_WORKERS_UNROUTED,
+    MLX_SERVER,
+    Op,
+    Results,
+    Target,
+    percentile,
+)
 from tests.support.processes import Processes
 
 log = logging.getLogger("bench")
@@ -64,6 +75,10 @@ def run(lab: Lab, config: Config, results: Results) -> None:
             _measure(lab, config, results, contender, f"(a) {clients} clients", clients, jobs)
         log.info("prefix cache (b): %s", contender)
         _measure(lab, config, results, contender, "(b) 8 conversations", CONVERSATIONS, None)
+    for contender in (EXO_TWO_WORKERS, EXO_TWO_WORKERS_UNROUTED):
+        log.info("prefix cache (b), two workers: %s", contender)
+        level = "(b) 8 conversations, 2 workers"
+        _measure(lab, config, results, contender, level, CONVERSATIONS, None)
 
 
 def _measure(
@@ -77,7 +92,7 @@ def _measure(
 ) -> None:
     """One scenario on a freshly started contender: `jobs` shared out to `clients` clients,
     or (None) `clients` conversations of TURNS turns."""
-    url, pid_of, processes = _start(lab, config.bench_model, contender)
+    url, pids_of, processes = _start(lab, config.bench_model, contender)
     try:
         started = time.monotonic()
         with ThreadPoolExecutor(clients) as pool:
@@ -87,28 +102,34 @@ def _measure(
                 batches = list(pool.map(lambda c: _send(url, jobs[c::clients]), range(clients)))
         elapsed = time.monotonic() - started
         traces = [t for batch in batches for t in batch]
-        _record(results, contender, level, traces, elapsed, pid_of())
+        _record(results, contender, level, traces, elapsed, pids_of())
     finally:
         lab.stop(processes)
 
 
-def _start(lab: Lab, model: Path, contender: str) -> tuple[str, Callable[[], int], Processes]:
+def _start(lab: Lab, model: Path, contender: str) -> tuple[str, Callable[[], list[int]], Processes]:
+    """A contender's URL, the pids of the processes holding the model, and its processes."""
     if contender == MLX_SERVER:
         server = start_mlx_server(lab, "mlx-prefix", model)
-        return server.url, lambda: server.processes.started[0].pid, server.processes
+        return server.url, lambda: [server.processes.started[0].pid], server.processes
     # Without the cache, 8 prompts of 420 tokens prefill side by side: on a loaded 2-core
     # machine one step of them took over the 60 s prefill stall limit, and the runner was
     # stopped as hung. The limit guards against hangs, not slow steps: raised for this section.
     settings: dict[str, Any] = {"prefill_timeout_s": 600.0}
     if contender == EXO_NO_CACHE:
         settings["prompt_cache_bytes"] = 0
-    stack = start_exo(lab, "exo-prefix", model, **settings)
+    workers = 2 if contender in (EXO_TWO_WORKERS, EXO_TWO_WORKERS_UNROUTED) else 1
+    if workers == 2:
+        settings["runner_lanes"] = 1  # two runners on the machine's cores, not four lanes
+    if contender == EXO_TWO_WORKERS_UNROUTED:
+        settings["prefix_routing_ttl_s"] = 0
+    stack = start_exo(lab, "exo-prefix", model, workers=workers, **settings)
 
-    def runner_pid() -> int:
-        (runner,) = requests.get(f"{stack.url}/v1/runners", timeout=10).json()
-        return int(runner["pid"])
+    def runner_pids() -> list[int]:
+        runners = requests.get(f"{stack.url}/v1/runners", timeout=10).json()
+        return [int(runner["pid"]) for runner in runners]
 
-    return stack.url, runner_pid, stack.processes
+    return stack.url, runner_pids, stack.processes
 
 
 def _send(url: str, jobs: list[Messages]) -> list[ChatTrace]:
@@ -138,7 +159,7 @@ def _record(
     level: str,
     traces: list[ChatTrace],
     elapsed: float,
-    pid: int,
+    pids: list[int],
 ) -> None:
     done = [t for t in traces if t.error is None and t.ttft_s is not None]
     if not done:
@@ -151,7 +172,7 @@ def _record(
     sample(SECTION, f"tokens/s, {level}", contender, "tokens/s", tokens / elapsed)
     sample(SECTION, f"cache hit rate, {level}", contender, "%", _hit_rate(done))
     with contextlib.suppress(psutil.NoSuchProcess):  # a runner restarted: no reading
-        rss = psutil.Process(pid).memory_info().rss / 2**20
+        rss = sum(psutil.Process(pid).memory_info().rss for pid in pids) / 2**20
         sample(SECTION, f"runner memory, {level}", contender, "MiB", rss)
     _note_failures(results, contender, level, len(traces) - len(done))
 

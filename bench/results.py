@@ -10,6 +10,8 @@ EXO = "exo_tasks"
 MLX_SERVER = "mlx_lm.server"
 UNBATCHED = "exo_tasks, one job at a time"
 EXO_NO_CACHE = "exo_tasks, prompt cache off"
+EXO_TWO_WORKERS = "exo_tasks, 2 workers"
+EXO_TWO_WORKERS_UNROUTED = "exo_tasks, 2 workers, prefix routing off"
 IN_PROCESS = "stream_generate in process"
 Op = Literal[">=", "<="]
 

@@ -88,6 +88,13 @@ class Settings(BaseSettings):
         description="Bytes of KV state each runner keeps for reuse by prompts sharing a prefix "
         "(recent prompts and conversations, least recently used dropped first); 0: off.",
     )
+    prefix_routing_ttl_s: float = Field(
+        900.0,
+        ge=0,
+        description="Where two hosts or more serve a model, a job whose prompt begins with what "
+        "one of them ran within this many seconds goes to that host's queue (its prompt cache "
+        "holds the prefix) unless that host is saturated; 0: off, every job to the model's queue.",
+    )
     runner_idle_unload_s: float | None = Field(
         None,
         ge=0,

@@ -13,7 +13,7 @@ from celery import Celery
 
 from config.celery import PRIORITY_LEVELS
 from config.settings import Settings
-from exo_tasks import lifecycle, limits
+from exo_tasks import lifecycle, limits, prefix_routing
 from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
 from exo_tasks.errors import Conflict, NotFound, QueueFull
@@ -64,17 +64,39 @@ class Route:
     queue: str
 
 
-def route(fleet: Fleet, settings: Settings, request: JobRequest) -> Route:
+def route(
+    fleet: Fleet, settings: Settings, request: JobRequest, store: Store | None = None
+) -> Route:
     """Where `request` goes in `fleet`, or why it cannot go now: 404 for a model or host no
     live host serves, 503 when every runner that could take it is down, 400 for tools the
     model cannot call. Checked before a stream's first byte, so a client's mistake keeps its
     status. A full queue's 429 comes from the job's creation (submit), or for a stream from
-    refuse_if_full before its first byte."""
+    refuse_if_full before its first byte. With `store`, an unpinned job may go to the host
+    that ran its prompt's prefix (exo_tasks.prefix_routing)."""
     model = resolve_model(fleet, settings, request.model)
     queue = fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
+    if store is not None and request.host is None:
+        queue = _queue_by_prefix(store, fleet, settings, model, request) or queue
     return Route(model, queue)
+
+
+def _queue_by_prefix(
+    store: Store, fleet: Fleet, settings: Settings, model: str, request: JobRequest
+) -> str | None:
+    """The queue of the host that ran the longest prefix of the prompt, if it can take the job
+    now. Looked up only where the choice exists: two live hosts serving the model or more."""
+    if settings.prefix_routing_ttl_s <= 0 or sum(fleet.serves(h, model) for h in fleet.hosts) < 2:
+        return None
+    digests = prefix_routing.prompt_digests(request)
+    host = prefix_routing.last_host(store.prefix_hosts(model, digests)) if digests else None
+    if host is None:
+        return None
+    queue = host_queue(host)
+    waiting = store.queue_depth(queue)
+    capacity = settings.completion_batch_size
+    return queue if prefix_routing.can_take(fleet, model, host, waiting, capacity) else None
 
 
 def refuse_if_full(queue: str, depth: int, settings: Settings) -> None:
@@ -100,28 +122,37 @@ def submit(
     EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
     fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client;
     `where`: its route, if already found."""
-    where = where or route(Fleet.load(store), settings, request)
+    where = where or route(Fleet.load(store), settings, request, store)
     job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
     depth = store.create_job(job, where.queue, settings.max_queued_jobs)
     refuse_if_full(where.queue, depth, settings)  # counted as the job was created: this holds
-    send(celery, settings, job)
+    send(celery, settings, job, where.queue)
     return job
 
 
 def queue_of(job: JobRecord) -> str:
-    """The queue a job waits in: its pinned host's own, or its model's (any host serving it)."""
+    """The queue a job goes back to: its pinned host's own, or its model's (any host serving
+    it). A job routed by its prefix to a host's queue is not pinned: it comes back here."""
     return host_queue(job.request.host) if job.request.host else model_queue(job.model)
 
 
-def send(celery: Celery, settings: Settings, job: JobRecord) -> None:
-    """Send the job's `inference` message, with its time limits and priority. The task id is
-    the job id, so Celery's and Flower's views name the job."""
+def resend(store: Store, celery: Celery, settings: Settings, job: JobRecord) -> None:
+    """Send a queued job's message again, to queue_of(job), and record that queue as the
+    one its message is in (the recovery loop looks for it there)."""
+    queue = queue_of(job)
+    store.set_job_queue(job.id, queue)
+    send(celery, settings, job, queue)
+
+
+def send(celery: Celery, settings: Settings, job: JobRecord, queue: str) -> None:
+    """Send the job's `inference` message to `queue`, with its time limits and priority. The
+    task id is the job id, so Celery's and Flower's views name the job."""
     job_limits = limits.job_limits(job.request.timeout_s, settings)
     celery.send_task(
         INFERENCE_TASK,
         args=[job.id, job.model],
         task_id=job.id,
-        queue=queue_of(job),
+        queue=queue,
         # Celery takes float seconds here; its stubs say int.
         soft_time_limit=job_limits.soft_s,  # type: ignore[arg-type]
         time_limit=job_limits.hard_s,  # type: ignore[arg-type]

@@ -11,7 +11,8 @@ here, from what the system knows of who is alive, never from the broker's visibi
   messages that no live incarnation holds go back to their queue; running jobs whose owner is
   gone are requeued (compare-and-set on that owner: never taken from a live attempt); queued
   jobs whose message is in no queue and not unacknowledged anywhere (kombu pops a message before
-  it records it, so a SIGKILL in between loses it) are sent again; a dead host's runners are
+  it records it, so a SIGKILL in between loses it) are sent again; queued jobs that a prompt
+  prefix sent to a dead host's own queue go to their model's; a dead host's runners are
   marked `Failed`.
 - A worker that starts requeues what its previous incarnation on the same host held, at once.
 - After Redis was unreachable, no sweep judges anyone for HEARTBEAT_TTL_S: an outage longer
@@ -31,7 +32,7 @@ import redis
 
 from exo_tasks.broker import Broker, Messages
 from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
-from exo_tasks.naming import node_name
+from exo_tasks.naming import HOST_QUEUE_PREFIX, node_name
 from exo_tasks.store import JobWhereabouts, Store, redis_waits
 from exo_tasks.types import JobRecord, JobStatus, utcnow
 
@@ -181,6 +182,7 @@ class Recovery:
             active, lambda owner: owner not in live, "its worker is gone (no heartbeat)"
         )
         self._resend_lost(active, messages, now)
+        self._reroute_from_gone_hosts(active, {h.name for h in hosts})
         self._fail_runners_of_gone_hosts({h.name for h in hosts}, runners)
 
     def _restore_orphaned_messages(
@@ -230,6 +232,20 @@ class Recovery:
                 del self._missing_since[job_id]
                 self.resend(job)
                 log.warning("lost message sent again", extra={"job_id": job_id})
+
+    def _reroute_from_gone_hosts(self, active: list[JobWhereabouts], live_hosts: set[str]) -> None:
+        """Queued jobs waiting in the own queue of a host that is gone, sent there by their
+        prompt's prefix (exo_tasks.prefix_routing), go to their model's queue: any host serving
+        the model may run them. A job pinned there waits for its host."""
+        for where in active:
+            host = where.queue.removeprefix(HOST_QUEUE_PREFIX)
+            if where.status != JobStatus.QUEUED or host == where.queue or host in live_hosts:
+                continue
+            job = self.store.get_job(where.id)
+            if job is not None and job.status == JobStatus.QUEUED and job.request.host is None:
+                self.resend(job)
+                extra = {"job_id": job.id, "host": host}
+                log.warning("job sent to its model's queue: its prefix's host is gone", extra=extra)
 
     def _fail_runners_of_gone_hosts(self, live_hosts: set[str], runners: list[RunnerState]) -> None:
         for runner in runners:

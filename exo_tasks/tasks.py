@@ -15,7 +15,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
 
-from exo_tasks import lifecycle, limits, task_states
+from exo_tasks import jobs, lifecycle, limits, prefix_routing, task_states
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
     LOAD_RUNNER_TASK,
@@ -31,7 +31,7 @@ from exo_tasks.commands import (
 )
 from exo_tasks.errors import ExoError, RunnerGone
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
-from exo_tasks.naming import runner_id_for
+from exo_tasks.naming import HOST_QUEUE_PREFIX, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.supervision import KILL_WAIT_S, TERM_WAIT_S
 from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent
@@ -120,6 +120,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     store = app.store
     runner_id = runner_id_for(model, app.settings.hostname)
     extra = {"job_id": job_id, "runner": runner_id}
+    prepared: Prepared | Skipped | None = None
     attempt: Attempt | None = None
     try:
         prepared = _prepare(store, job_id, runner_id)
@@ -132,7 +133,16 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         max_tokens = prepared.job.request.max_tokens
         progress = task_states.TaskProgress(self, max_tokens, attempt.events_before)
         final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
+        _remember_prefixes(self, final)
         return task_states.finish(self, job_id, final)
+    except Reject as reject:
+        reason, requeue = reject.args  # (celery-stubs lack the attributes)
+        if requeue and isinstance(prepared, Prepared) and _routed_here(self, prepared.job):
+            # Its prefix brought it here, not a pin: any host serving the model may run it.
+            jobs.resend(store, app, app.settings, prepared.job)
+            log.warning(f"{reason}; sent to its model's queue instead", extra=extra)
+            raise Reject(reason, requeue=False) from reject
+        raise
     except SoftTimeLimitExceeded:
         store.drop_connections()  # the limit may have cut a round trip in half
         log.warning("soft time limit reached; ending the job", extra=extra)
@@ -141,6 +151,26 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         store.fail_job(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
         raise
+
+
+def _routed_here(task: Task[Any, Any], job: JobRecord) -> bool:
+    """Whether the job came from this host's own queue without being pinned to it: sent here
+    by its prompt's prefix (exo_tasks.prefix_routing)."""
+    routing_key = (task.request.delivery_info or {}).get("routing_key") or ""
+    return job.request.host is None and routing_key.startswith(HOST_QUEUE_PREFIX)
+
+
+def _remember_prefixes(task: Task[Any, Any], job: JobRecord) -> None:
+    """A job that succeeded left its prompt and answer in this host's prompt cache: the next
+    turn of its conversation is best run here (exo_tasks.prefix_routing)."""
+    settings = _app(task).settings
+    if job.status != JobStatus.SUCCEEDED or settings.prefix_routing_ttl_s <= 0:
+        return
+    digests = prefix_routing.conversation_digests(job.request, job.output.text)
+    if digests:
+        _app(task).store.remember_prefixes(
+            job.model, digests, settings.hostname, settings.prefix_routing_ttl_s
+        )
 
 
 def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:

@@ -67,7 +67,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
         self.recovery = recovery.Recovery(
             store,
             Broker(store.redis, app.connection_for_write),
-            lambda job: jobs.send(app, settings, job),
+            lambda job: jobs.resend(store, app, settings, job),
             host=settings.hostname,
             incarnation=app.incarnation,
             # A task waits this long at most for its runner before it hands the job over.

@@ -9,11 +9,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from exo_tasks import jobs
 from exo_tasks.modelgen import create_model
+from exo_tasks.naming import host_queue
+from exo_tasks.recovery import HEARTBEAT_TTL_S
+from exo_tasks.store import job_key
+from exo_tasks.types import JobRecord, JobRequest
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, wait_until
-from tests.support.workers import start_worker, wait_runner_ready
+from tests.support.workers import (
+    Worker,
+    new_worker,
+    runner_state,
+    start_worker,
+    wait_runner_ready,
+)
 
 LONG_ON_X = {
     "prompt": "long",
@@ -173,3 +184,87 @@ def test_a_high_priority_job_overtakes_queued_normal_ones(stack: Stack, fleet: T
     started = {j: job["started_at"] for j, job in jobs.items()}
     assert started[high] < min(started[n] for n in normal)
     assert max(started[n] for n in normal) < started[low]
+
+
+# --- prefix-aware routing (exo_tasks.prefix_routing): alpha is served by fleet-x and fleet-y ---
+
+
+def first_turn(api: Api, index: int, host: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A conversation's first turn, run on `host`: its job, and the messages of its second."""
+    messages = [{"role": "user", "content": f"Conversation {index}: what is a job queue?"}]
+    job = api.wait_job(api.submit(messages=messages, max_tokens=8, model="alpha", host=host))
+    assert job["status"] == "succeeded"
+    answer = {"role": "assistant", "content": job["output"]["text"]}
+    return job, [*messages, answer, {"role": "user", "content": "And what is a host?"}]
+
+
+def alpha_worker(
+    stack: Stack, fleet: TwoHosts, processes: Processes, tmp_path: Path, host: str
+) -> Worker:
+    """A third host serving alpha, ready."""
+    alpha = Path(fleet.x.env["EXO_MODELS"])
+    return new_worker(processes, stack.redis.url, stack.store, host, [alpha], tmp_path)
+
+
+def test_the_next_turn_of_a_conversation_runs_on_the_host_that_ran_the_last(
+    stack: Stack, fleet: TwoHosts
+) -> None:
+    # Not alternating: sequential jobs in the model's queue tend to alternate between hosts.
+    hosts = ["fleet-x", "fleet-x", "fleet-y", "fleet-x", "fleet-y", "fleet-y"]
+    turns = [first_turn(stack.api, i, host) for i, host in enumerate(hosts)]
+    for host, (first, messages) in zip(hosts, turns, strict=True):
+        job = stack.api.wait_job(stack.api.submit(messages=messages, max_tokens=8, model="alpha"))
+        assert job["status"] == "succeeded" and job["host"] == host
+        # Its runner's prompt cache held the conversation's first turn.
+        cached = job["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first["usage"]["prompt_tokens"] - 1, (cached, first["usage"])
+
+
+def test_a_turn_whose_host_is_saturated_runs_on_another_at_once(
+    stack: Stack, fleet: TwoHosts
+) -> None:
+    _, messages = first_turn(stack.api, 10, "fleet-x")
+    with x_busy(stack.api) as long_id:  # fleet-x's one pool child is taken
+        x_load = lambda: runner_state(stack.store, "fleet-x", "alpha").active_jobs  # noqa: E731
+        wait_until(x_load, 10, "fleet-x's load published")
+        started = time.monotonic()
+        job = stack.api.wait_job(stack.api.submit(messages=messages, max_tokens=8, model="alpha"))
+        assert job["status"] == "succeeded" and job["host"] == "fleet-y"
+        assert time.monotonic() - started < 10
+        assert stack.api.get(f"/v1/jobs/{long_id}").json()["status"] == "running"
+
+
+def test_a_turn_sent_to_a_host_killed_meanwhile_runs_on_another_within_the_heartbeat(
+    stack: Stack, fleet: TwoHosts, processes: Processes, tmp_path: Path
+) -> None:
+    worker = alpha_worker(stack, fleet, processes, tmp_path, "fleet-w")
+    _, messages = first_turn(stack.api, 20, "fleet-w")
+    worker.process.kill()
+    worker.process.wait(timeout=10)
+    started = time.monotonic()
+    job_id = stack.api.submit(messages=messages, max_tokens=8, model="alpha")
+    # Its heartbeat has not expired yet: the job's prefix sent it to the dead host's queue.
+    assert stack.store.redis.hget(job_key(job_id), "queue") == "exo.host.fleet-w"
+    job = stack.api.wait_job(job_id, timeout_s=HEARTBEAT_TTL_S + 30)
+    assert job["status"] == "succeeded" and job["host"] in ("fleet-x", "fleet-y")
+    assert time.monotonic() - started < HEARTBEAT_TTL_S + 10
+
+
+def test_a_job_its_prefix_sent_to_a_runner_stopped_since_goes_to_the_models_queue(
+    stack: Stack, fleet: TwoHosts, processes: Processes, tmp_path: Path
+) -> None:
+    alpha_worker(stack, fleet, processes, tmp_path, "fleet-v")
+    stop = stack.api.post("/v1/runners/alpha@fleet-v/shutdown", json={"mode": "hard"})
+    assert stop.status_code == 202
+    stopped = lambda: runner_state(stack.store, "fleet-v", "alpha").status == "Shutdown"  # noqa: E731
+    wait_until(stopped, 10, "fleet-v's runner stopped")
+    # Routed by its prefix to fleet-v just before the stop: unpinned, in fleet-v's own queue.
+    request = JobRequest.model_validate({"prompt": "hello", "max_tokens": 4})
+    job = JobRecord(id=jobs.new_job_id(), model="alpha", request=request)
+    stack.store.create_job(job, host_queue("fleet-v"), max_queued=1_000)
+    context = stack.api.app.extensions["exo"]
+    jobs.send(context.celery, context.settings, job, host_queue("fleet-v"))
+    # Not sent back to fleet-v's queue again and again: to the model's, which other hosts serve.
+    done = stack.api.wait_job(job.id, timeout_s=30)
+    assert done["status"] == "succeeded" and done["host"] in ("fleet-x", "fleet-y")
+    assert stack.store.redis.hget(job_key(job.id), "queue") == "exo.model.alpha"

@@ -183,7 +183,7 @@ def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(
     )
     stack.store.create_job(job, host_queue(host), max_queued=1_000)
     context = stack.api.app.extensions["exo"]
-    jobs.send(context.celery, context.settings, job)
+    jobs.send(context.celery, context.settings, job, host_queue(host))
     time.sleep(4)
     assert stack.api.get(f"/v1/jobs/{job.id}").json()["status"] == "queued"  # not failed
     assert stack.api.post("/v1/runners", json={"model": "tiny", "host": host}).status_code == 202

@@ -64,7 +64,7 @@ class ApiContext:
         are in (arrivals.py). Such jobs pass the door SENDERS at a time, each looking again
         just before it is sent, so a burst that resumes holds back the ones not yet sent; and
         they never hold a sender while they wait, so other submissions do not."""
-        where = where or jobs.route(self.reads.fleet(), self.settings, job_request)
+        where = where or jobs.route(self.reads.fleet(), self.settings, job_request, self.store)
         if not after_arrivals:
             return self._send(job_request, job_id, where)
         deadline = time.monotonic() + MAX_WAIT_S

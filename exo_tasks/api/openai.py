@@ -203,7 +203,7 @@ def _open_stream(
     """A streamed answer whose job is submitted after its first byte (see _stream). Errors keep
     their statuses before the first byte, a full queue's 429 too (the job's creation counts
     again: this is a read)."""
-    where = jobs.route(context.reads.fleet(), context.settings, job_request)
+    where = jobs.route(context.reads.fleet(), context.settings, job_request, context.store)
     depth = context.reads.queue_depth(where.queue)
     jobs.refuse_if_full(where.queue, depth, context.settings)
     release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind

@@ -3,7 +3,8 @@
 - `keys`: the key layout; `client`: the connection and Redis's refusals.
 - `jobs`: job records, event and endings streams; executes exo_tasks.lifecycle's moves.
 - `runners`: runner state and history, inboxes, and the hand-over of a job to a runner.
-- `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes.
+- `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes, the
+  prefix-to-host map.
 - `metrics`: metric persistence.
 - `files`, `batches`: OpenAI's Files and Batch API (exo_tasks.batch_feeder drives batches).
 kombu's own layout (queues, unacknowledged messages) is exo_tasks.broker's alone.

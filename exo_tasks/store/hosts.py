@@ -1,5 +1,6 @@
 """Hosts in Redis: each worker's expiring heartbeat (its incarnation), the recovery loop's
-lease, the fleet as the API reads it, and each host's supervisor inbox."""
+lease, the fleet as the API reads it, each host's supervisor inbox, and which host ran which
+prompt prefixes (exo_tasks.prefix_routing)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from exo_tasks.store.keys import (
     RECOVERY_LEASE,
     RUNNERS,
     host_key,
+    prefix_key,
     runner_key,
     supervisor_key,
 )
@@ -33,6 +35,20 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if raw then table.insert(runners, raw) end
 end
 return {hosts, runners}
+"""
+
+
+# KEYS: live hosts. ARGV: host key prefix, milliseconds, host, then prefix keys. Sets each
+# prefix key to the host, only where another host is live too: a lone host has no choice to
+# make, and writes nothing for each job.
+REMEMBER_PREFIXES = """
+local live = 0
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  live = live + redis.call('EXISTS', ARGV[1] .. name)
+end
+if live < 2 then return 0 end
+for i = 4, #ARGV do redis.call('SET', ARGV[i], ARGV[3], 'PX', ARGV[2]) end
+return 1
 """
 
 
@@ -85,6 +101,17 @@ class HostRecords(RedisPart):
         hosts = [HostState.model_validate_json(raw) for raw in host_raws]
         runners = [RunnerState.model_validate_json(raw) for raw in runner_raws]
         return sorted(hosts, key=lambda h: h.name), sorted(runners, key=lambda r: r.id)
+
+    def remember_prefixes(self, model: str, digests: list[str], host: str, ttl_s: float) -> None:
+        """`host` ran these prompt prefixes of `model` (exo_tasks.prefix_routing): each entry of
+        the map says so for `ttl_s`, if two hosts or more are live."""
+        args = [host_key(""), int(ttl_s * 1000), host]
+        args += [prefix_key(model, digest) for digest in digests]
+        self.script(REMEMBER_PREFIXES)(keys=[HOSTS], args=args)
+
+    def prefix_hosts(self, model: str, digests: list[str]) -> list[str | None]:
+        """The host that ran each of these prompt prefixes of `model` lately, or None."""
+        return list(self.redis.mget([prefix_key(model, digest) for digest in digests]))
 
     def send_to_supervisor(self, host: str, request: SupervisorRequest) -> None:
         self.redis.rpush(supervisor_key(host), request.model_dump_json())

@@ -262,6 +262,10 @@ class JobRecords(MetricRecords):
         move = lifecycle.requeue(job, only_from_owner=only_from is not None)
         return move.record if self.apply(move) else None
 
+    def set_job_queue(self, job_id: str, queue: str) -> None:
+        """Record the queue a job's message was sent to anew (jobs.resend)."""
+        self.redis.hset(job_key(job_id), "queue", queue)
+
     def request_cancel(self, job_id: str) -> None:
         """Remember that a running job's cancel was accepted, so that no later attempt runs it
         if its worker dies before the runner ends it."""

@@ -51,6 +51,11 @@ def host_key(host: str) -> str:
     return f"{PREFIX}:host:{host}"
 
 
+def prefix_key(model: str, digest: str) -> str:
+    """The host that ran a prompt prefix of `model` lately (exo_tasks.prefix_routing)."""
+    return f"{PREFIX}:prefix:{model}:{digest}"
+
+
 def supervisor_key(host: str) -> str:
     """A list: requests to the host's runner supervisor."""
     return f"{PREFIX}:supervisor:{host}"
