@@ -167,10 +167,14 @@ def _remember_prefixes(task: Task[Any, Any], job: JobRecord) -> None:
     if job.status != JobStatus.SUCCEEDED or settings.prefix_routing_ttl_s <= 0:
         return
     digests = prefix_routing.conversation_digests(job.request, job.output.text)
-    if digests:
+    if not digests:
+        return
+    try:
         _app(task).store.remember_prefixes(
             job.model, digests, settings.hostname, settings.prefix_routing_ttl_s
         )
+    except redis.RedisError as exc:  # a hint: the job has succeeded all the same
+        log.warning("prefixes not recorded", extra={"job_id": job.id, "error": str(exc)})
 
 
 def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
