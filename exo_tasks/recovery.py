@@ -38,6 +38,9 @@ from exo_tasks.types import JobRecord, JobStatus, utcnow
 
 log = logging.getLogger("exo_tasks.recovery")
 HEARTBEAT_INTERVAL_S = 2.0
+# How often the heartbeat looks at what this worker holds: a change is published at once, so
+# routing does not judge a host by a job it finished up to a whole interval ago.
+HELD_POLL_S = 0.1
 # A host whose heartbeat is this old is gone: the API stops routing to it and its work is
 # recovered. Five missed beats, so a busy machine is not declared dead.
 HEARTBEAT_TTL_S = 10.0
@@ -87,18 +90,25 @@ class Presence:
             previous if previous is not None and previous.incarnation != self.incarnation else None
         )
 
-    def beat(self) -> None:
+    def beat(self, held: list[str] | None = None) -> None:
         with self._lock:  # never after stop() removed the host
             if not self._closing.is_set():
-                state = self.state.model_copy(update={"updated_at": utcnow(), "held": self.held()})
+                held = self.held() if held is None else held
+                state = self.state.model_copy(update={"updated_at": utcnow(), "held": held})
                 self.store.publish_host(state, HEARTBEAT_TTL_S)
 
     def _run(self) -> None:
-        while not self._closing.wait(HEARTBEAT_INTERVAL_S):
+        published = self.held()
+        next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+        while not self._closing.wait(HELD_POLL_S):
+            held = self.held()
+            if held == published and time.monotonic() < next_beat:
+                continue
             try:
-                self.beat()
-            except redis.RedisError as exc:
+                self.beat(held)
+            except redis.RedisError as exc:  # tried again in an interval, not at every poll
                 log.warning("heartbeat not sent", extra={"error": str(exc)})
+            published, next_beat = held, time.monotonic() + HEARTBEAT_INTERVAL_S
 
     def stop(self) -> None:
         """A clean stop: the host is gone at once, not when its heartbeat expires."""

@@ -3,6 +3,7 @@ and the queue cap. Hosts are real `exo-tasks worker` processes with their own EX
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -198,6 +199,12 @@ def first_turn(api: Api, index: int, host: str) -> tuple[dict[str, Any], list[di
     return job, [*messages, answer, {"role": "user", "content": "And what is a host?"}]
 
 
+def host_is_idle(stack: Stack, host: str) -> bool:
+    state = stack.store.get_host(host)
+    runner = runner_state(stack.store, host, "alpha")
+    return state is not None and not state.held and runner.active_jobs == 0
+
+
 def alpha_worker(
     stack: Stack, fleet: TwoHosts, processes: Processes, tmp_path: Path, host: str
 ) -> Worker:
@@ -213,11 +220,27 @@ def test_the_next_turn_of_a_conversation_runs_on_the_host_that_ran_the_last(
     hosts = ["fleet-x", "fleet-x", "fleet-y", "fleet-x", "fleet-y", "fleet-y"]
     turns = [first_turn(stack.api, i, host) for i, host in enumerate(hosts)]
     for host, (first, messages) in zip(hosts, turns, strict=True):
+        # A user's next turn: its host published within a second that it finished the last job.
+        wait_until(functools.partial(host_is_idle, stack, host), 1, f"{host} idle")
         job = stack.api.wait_job(stack.api.submit(messages=messages, max_tokens=8, model="alpha"))
         assert job["status"] == "succeeded" and job["host"] == host
         # Its runner's prompt cache held the conversation's first turn.
         cached = job["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= first["usage"]["prompt_tokens"] - 1, (cached, first["usage"])
+
+
+def test_a_hosts_published_load_follows_its_jobs_within_a_second(
+    stack: Stack, fleet: TwoHosts
+) -> None:
+    # Routing reads it: a host whose finished job still showed would lose the next turn.
+    def holds() -> bool:
+        state = stack.store.get_host("fleet-x")
+        return state is not None and bool(state.held)
+
+    for _ in range(3):
+        with x_busy(stack.api):
+            wait_until(holds, 1, "fleet-x's job in its heartbeat")
+        wait_until(lambda: host_is_idle(stack, "fleet-x"), 1, "fleet-x idle in its heartbeat")
 
 
 def test_a_turn_whose_host_is_saturated_runs_on_another_at_once(
