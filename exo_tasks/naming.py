@@ -40,6 +40,11 @@ def host_queue(host: str) -> str:
     return f"{HOST_QUEUE_PREFIX}{host}"
 
 
+def host_of_queue(queue: str) -> str | None:
+    """The host whose own queue `queue` is; None for a model's queue."""
+    return queue.removeprefix(HOST_QUEUE_PREFIX) if queue.startswith(HOST_QUEUE_PREFIX) else None
+
+
 def node_name(host: str) -> str:
     """The Celery node name of a host's worker."""
     return f"{NODE_PREFIX}{host}"

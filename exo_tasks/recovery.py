@@ -32,7 +32,7 @@ import redis
 
 from exo_tasks.broker import Broker, Messages
 from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
-from exo_tasks.naming import HOST_QUEUE_PREFIX, node_name
+from exo_tasks.naming import host_of_queue, node_name
 from exo_tasks.store import JobWhereabouts, Store, redis_waits
 from exo_tasks.types import JobRecord, JobStatus, utcnow
 
@@ -248,8 +248,8 @@ class Recovery:
         prompt's prefix (exo_tasks.prefix_routing), go to their model's queue: any host serving
         the model may run them. A job pinned there waits for its host."""
         for where in active:
-            host = where.queue.removeprefix(HOST_QUEUE_PREFIX)
-            if where.status != JobStatus.QUEUED or host == where.queue or host in live_hosts:
+            host = host_of_queue(where.queue)
+            if where.status != JobStatus.QUEUED or host is None or host in live_hosts:
                 continue
             job = self.store.get_job(where.id)
             if job is not None and job.status == JobStatus.QUEUED and job.request.host is None:

@@ -31,7 +31,7 @@ from exo_tasks.commands import (
 )
 from exo_tasks.errors import ExoError, RunnerGone
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
-from exo_tasks.naming import HOST_QUEUE_PREFIX, runner_id_for
+from exo_tasks.naming import host_of_queue, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.supervision import KILL_WAIT_S, TERM_WAIT_S
 from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent
@@ -157,7 +157,7 @@ def _routed_here(task: Task[Any, Any], job: JobRecord) -> bool:
     """Whether the job came from this host's own queue without being pinned to it: sent here
     by its prompt's prefix (exo_tasks.prefix_routing)."""
     routing_key = (task.request.delivery_info or {}).get("routing_key") or ""
-    return job.request.host is None and routing_key.startswith(HOST_QUEUE_PREFIX)
+    return job.request.host is None and host_of_queue(routing_key) is not None
 
 
 def _remember_prefixes(task: Task[Any, Any], job: JobRecord) -> None:

@@ -9,7 +9,7 @@ import pytest
 from config.celery import celery_config
 from config.settings import Settings
 from exo_tasks.errors import ExoError
-from exo_tasks.naming import model_slug
+from exo_tasks.naming import host_of_queue, host_queue, model_queue, model_slug
 from exo_tasks.redis_server import INSTALL_HINT, find_redis_server, redis_server_argv
 
 
@@ -60,6 +60,11 @@ def test_served_models_default_to_the_tiny_model(tmp_path: Path) -> None:
 )
 def test_model_slug(model: str, slug: str) -> None:
     assert model_slug(model) == slug
+
+
+def test_a_queue_names_its_host_only_if_it_is_a_hosts_own() -> None:
+    assert host_of_queue(host_queue("mac-1.local")) == "mac-1.local"
+    assert host_of_queue(model_queue("tiny")) is None
 
 
 def test_embedded_redis_binds_loopback_with_aof_and_a_memory_cap(tmp_path: Path) -> None:
