@@ -13,7 +13,7 @@ from celery import Celery
 
 from config.celery import PRIORITY_LEVELS
 from config.settings import Settings
-from exo_tasks import lifecycle, limits, prefix_routing
+from exo_tasks import lifecycle, limits, metrics, prefix_routing
 from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
 from exo_tasks.errors import Conflict, NotFound, QueueFull
@@ -95,8 +95,11 @@ def _queue_by_prefix(
         return None
     queue = host_queue(host)
     waiting = store.queue_depth(queue)
-    capacity = settings.completion_batch_size
-    return queue if prefix_routing.can_take(fleet, model, host, waiting, capacity) else None
+    routed = prefix_routing.can_take(fleet, model, host, waiting, settings.completion_batch_size)
+    counted = metrics.Observations()
+    counted.inc(metrics.PREFIX_ROUTED, model=model, outcome="routed" if routed else "fallback")
+    store.write_metrics(counted)
+    return queue if routed else None
 
 
 def refuse_if_full(queue: str, depth: int, settings: Settings) -> None:

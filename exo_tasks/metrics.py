@@ -82,6 +82,13 @@ PREFIX_CACHE_HITS = Metric(
     "counter",
     "Prompt tokens whose KV state a runner's prompt cache held.",
 )
+PREFIX_ROUTED = Metric(
+    "exo_prefix_routed_total",
+    "counter",
+    "Jobs whose prompt began with what a host ran lately, by where they went: to that host's "
+    "queue (routed) or, that host being saturated or gone, to the model's (fallback).",
+    labels=("model", "outcome"),
+)
 RUNNER_RESTARTS = Metric(
     "exo_runner_restarts_total",
     "counter",
@@ -104,6 +111,7 @@ STORED: tuple[Metric, ...] = (
     REQUESTS_ENDED,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
+    PREFIX_ROUTED,
     RUNNER_RESTARTS,
     BATCH_REQUESTS,
 )

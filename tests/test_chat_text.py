@@ -19,9 +19,9 @@ from exo_tasks.bpe import IM_END
 from tests.support import sse
 from tests.support.api import Api, api_settings, serving
 from tests.support.clients import client_for
+from tests.support.metrics import scrape, value
 from tests.support.processes import Processes
 from tests.support.workers import new_worker
-from tests.test_metrics import scrape, value
 
 BASE = [
     "hello there",

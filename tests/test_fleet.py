@@ -18,6 +18,7 @@ from exo_tasks.store import job_key
 from exo_tasks.types import JobRecord, JobRequest
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api, api_settings, serving
+from tests.support.metrics import Samples, scrape, value
 from tests.support.processes import Processes, wait_until
 from tests.support.workers import (
     Worker,
@@ -199,6 +200,12 @@ def first_turn(api: Api, index: int, host: str) -> tuple[dict[str, Any], list[di
     return job, [*messages, answer, {"role": "user", "content": "And what is a host?"}]
 
 
+def routed(before: Samples, after: Samples, outcome: str) -> float:
+    """Jobs of alpha that prefix routing sent to a host (routed) or not (fallback) meanwhile."""
+    name, labels = "exo_prefix_routed_total", {"model": "alpha", "outcome": outcome}
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
 def host_is_idle(stack: Stack, host: str) -> bool:
     state = stack.store.get_host(host)
     runner = runner_state(stack.store, host, "alpha")
@@ -219,6 +226,7 @@ def test_the_next_turn_of_a_conversation_runs_on_the_host_that_ran_the_last(
     # Not alternating: sequential jobs in the model's queue tend to alternate between hosts.
     hosts = ["fleet-x", "fleet-x", "fleet-y", "fleet-x", "fleet-y", "fleet-y"]
     turns = [first_turn(stack.api, i, host) for i, host in enumerate(hosts)]
+    before = scrape(stack.api.url)
     for host, (first, messages) in zip(hosts, turns, strict=True):
         # A user's next turn: its host published within a second that it finished the last job.
         wait_until(functools.partial(host_is_idle, stack, host), 1, f"{host} idle")
@@ -227,6 +235,7 @@ def test_the_next_turn_of_a_conversation_runs_on_the_host_that_ran_the_last(
         # Its runner's prompt cache held the conversation's first turn.
         cached = job["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= first["usage"]["prompt_tokens"] - 1, (cached, first["usage"])
+    assert routed(before, scrape(stack.api.url), "routed") == len(hosts)
 
 
 def test_a_hosts_published_load_follows_its_jobs_within_a_second(
@@ -247,6 +256,7 @@ def test_a_turn_whose_host_is_saturated_runs_on_another_at_once(
     stack: Stack, fleet: TwoHosts
 ) -> None:
     _, messages = first_turn(stack.api, 10, "fleet-x")
+    before = scrape(stack.api.url)
     with x_busy(stack.api) as long_id:  # fleet-x's one pool child is taken
         x_load = lambda: runner_state(stack.store, "fleet-x", "alpha").active_jobs  # noqa: E731
         wait_until(x_load, 10, "fleet-x's load published")
@@ -255,6 +265,8 @@ def test_a_turn_whose_host_is_saturated_runs_on_another_at_once(
         assert job["status"] == "succeeded" and job["host"] == "fleet-y"
         assert time.monotonic() - started < 10
         assert stack.api.get(f"/v1/jobs/{long_id}").json()["status"] == "running"
+    after = scrape(stack.api.url)
+    assert (routed(before, after, "fallback"), routed(before, after, "routed")) == (1, 0)
 
 
 def test_a_turn_sent_to_a_host_killed_meanwhile_runs_on_another_within_the_heartbeat(

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exo_tasks.modelgen import create_model
 from exo_tasks.store import Store
 from tests.conftest import Stack
+from tests.support.metrics import Samples, parse, scrape, value
 from tests.support.processes import (
     EXO_TASKS,
     Processes,
@@ -28,7 +29,6 @@ from tests.support.processes import (
 )
 from tests.support.workers import Worker, start_worker, wait_runner_ready
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 HISTOGRAMS = (
     "exo_time_to_first_token_seconds",
     "exo_inter_token_latency_seconds",
@@ -52,25 +52,6 @@ def omega(
         yield worker
     finally:
         processes.stop_all()
-
-
-def parse(text: str) -> Samples:
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def scrape(url: str) -> Samples:
-    response = requests.get(f"{url}/metrics", timeout=10)
-    assert response.status_code == 200
-    assert response.headers["Content-Type"].startswith("text/plain")
-    return parse(response.text)
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def seconds(job: dict[str, Any], since: str, until: str) -> float:
