@@ -77,9 +77,9 @@ def run(lab: Lab, config: Config, results: Results) -> None:
                 for r in range(per_client)
             ]
             _measure(lab, config, results, contender, f"(a) {clients} clients", clients, jobs)
-    for run in range(B_RUNS):
-        for contender in CONTENDERS if run == 0 else (EXO, MLX_SERVER):
-            log.info("prefix cache (b), run %d of %d: %s", run + 1, B_RUNS, contender)
+    for attempt in range(B_RUNS):
+        for contender in CONTENDERS if attempt == 0 else (EXO, MLX_SERVER):
+            log.info("prefix cache (b), run %d of %d: %s", attempt + 1, B_RUNS, contender)
             _measure(lab, config, results, contender, "(b) 8 conversations", CONVERSATIONS, None)
     for contender in (EXO_TWO_WORKERS, EXO_TWO_WORKERS_UNROUTED):
         log.info("prefix cache (b), two workers: %s", contender)
