@@ -46,6 +46,7 @@ class FakeEngine:
     prefill_chunks = 0
     tool_calling = False
     prompt_cache_bytes = 0
+    weights_bytes = 0
 
     def __init__(self) -> None:
         self.jobs: dict[str, int] = {}  # job id -> its max_tokens

@@ -137,6 +137,7 @@ class Runner:
             model_loads=self.outbox.state.model_loads + 1,
             lanes=engine.lanes,
             tool_calling=engine.tool_calling,
+            weights_bytes=engine.weights_bytes,
         )
         self.outbox.publish(RunnerStatus.LOADED)
         self.outbox.publish(RunnerStatus.WARMING_UP)

@@ -14,6 +14,8 @@ from exo_tasks.runner import process as runner_process
 
 # Called with (model, serving?) when a runner stops or starts serving on purpose.
 ServingCallback = Callable[[str, bool], None]
+# Called with a rank's handle, exit code and cause when a rank of an instance exits.
+RankExitCallback = Callable[["RunnerHandle", int, str], None]
 # Called once every runner has stopped for good: the host leaves the fleet.
 StoppedCallback = Callable[[], None]
 
@@ -32,6 +34,11 @@ def exit_cause(exitcode: int | None) -> str:
     if exitcode < 0:
         return f"Terminated (signal {-exitcode} {signal.Signals(-exitcode).name})"
     return f"exitcode={exitcode}"
+
+
+def rank_failure(rank: int, host: str, cause: str) -> str:
+    """Why an instance failed, as its `error` says it: the rank, its host and the cause."""
+    return f"rank {rank} on host {host}: {cause}"
 
 
 def restart_backoff_s(failures_in_a_row: int) -> float:

@@ -32,6 +32,7 @@ from exo_tasks.worker.supervision import (
     HEALTHY_UPTIME_S,
     KILL_WAIT_S,
     TERM_WAIT_S,
+    RankExitCallback,
     RunnerHandle,
     ServingCallback,
     StoppedCallback,
@@ -61,6 +62,8 @@ class RunnerSupervisor:
         self.host = settings.hostname
         self.on_serving = on_serving or (lambda queue, serving: None)
         self.on_stopped = on_stopped or (lambda: None)
+        # Told when a rank of an instance exits (exo_tasks.worker.ranks): ranks are not restarted.
+        self.on_rank_exit: RankExitCallback = lambda handle, exitcode, cause: None
         self.handles: dict[str, RunnerHandle] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
@@ -77,9 +80,19 @@ class RunnerSupervisor:
         threading.Thread(target=self._watch, name="runner-watch", daemon=True).start()
         threading.Thread(target=self._serve_requests, name="supervisor-inbox", daemon=True).start()
 
+    def add_rank(self, spec: runner_process.RunnerSpec) -> None:
+        """Start a rank of an instance: a runner like the others, for one start of it."""
+        with self._lock:
+            handle = self.handles[spec.runner_id] = RunnerHandle(spec)
+            self._spawn(handle)
+
+    def rank_ids(self) -> list[str]:
+        with self._lock:
+            return [i for i, h in self.handles.items() if h.spec.rank is not None]
+
     @property
     def models(self) -> list[str]:
-        return [h.spec.model for h in self.handles.values()]
+        return [h.spec.model for h in self.handles.values() if h.spec.rank is None]
 
     def _spawn(self, handle: RunnerHandle) -> None:
         spec = handle.spec.model_copy(update={"restarts": handle.restarts})
@@ -151,7 +164,13 @@ class RunnerSupervisor:
             if process.exitcode is None:
                 return
             cause = exit_cause(process.exitcode)
-            if handle.stop is not None and handle.stall is None:
+            if handle.spec.rank is not None:
+                # Each start of a rank is a handle of its own: its instance decides what next.
+                if self.handles.get(handle.spec.runner_id) is handle:
+                    del self.handles[handle.spec.runner_id]
+                why = f"{handle.stall}; {cause}" if handle.stall else cause
+                self._in_thread(self.on_rank_exit, handle, process.exitcode, why)
+            elif handle.stop is not None and handle.stall is None:
                 self._record_stop(handle, handle.stop, cause)
             elif process.exitcode == runner_process.EXIT_UNLOADED:
                 # Idle, it unloaded its model: no restart; the next job asks for a start. A job
