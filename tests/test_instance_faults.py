@@ -89,7 +89,7 @@ def test_sigkill_of_rank_0_stops_rank_1_and_fails_the_instance_naming_rank_0(pai
 
 
 def test_sigkill_of_a_rank_s_worker_fails_the_instance_until_the_host_is_back(
-    pair: Pair, processes: Processes
+    pair: Pair,
 ) -> None:
     before = pair.wait_ready()
     job_id = running_job(pair)
@@ -100,7 +100,7 @@ def test_sigkill_of_a_rank_s_worker_fails_the_instance_until_the_host_is_back(
     wait_gone(pids[0], STOP_BOUND_S, "rank 0 stopped")
     assert_failed_with(pair, job_id, "rank 1 on host b", f"worker (pid {worker_b.pid}) died")
     assert_nothing_left(pair, pids, ports)  # type: ignore[arg-type]
-    pair.restart_worker("b", processes)
+    pair.restart_worker("b")
     pair.wait_ready(before.generation)
 
 

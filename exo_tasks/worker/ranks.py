@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 from config.settings import Settings
 from exo_tasks.commands import StopRunner
@@ -53,7 +54,11 @@ RESTART_DELAY_S = 2.0
 EXIT_STALE = 4  # exo_tasks.runner.rank.EXIT_STALE (that module loads with the runner)
 EXIT_PEER_LOST = 5  # exo_tasks.runner.main.EXIT_PEER_LOST
 FINAL = (RunnerStatus.SHUTDOWN, RunnerStatus.FAILED, RunnerStatus.WAITING_FOR_MODEL)
+# A hard stop's wait for rank 0 to end its jobs and close the ring (the supervisor's own for a
+# runner's hard stop).
+HARD_WAIT_S = 1.0
 Consume = Callable[[str, bool], None]
+StopHow = Literal["now", "hard", "warm"]
 
 
 class RankKeeper:
@@ -88,7 +93,7 @@ class RankKeeper:
         mine = {self._runner_id(i) for i in instances}
         for runner_id in self.supervisor.rank_ids():
             if runner_id not in mine:  # its instance was removed
-                self._stop(runner_id, hard=True)
+                self._stop(runner_id, "now")
         for instance in instances:
             self._keep(instance)
 
@@ -107,7 +112,7 @@ class RankKeeper:
             self._shut_down(instance, rank, handle)
         else:
             if handle is not None:
-                self._stop(handle.spec.runner_id, hard=True)
+                self._stop(handle.spec.runner_id, "now")
             self._restart_if_due(instance, rank)
         if rank == 0:
             serving = instance.status is READY and handle is not None and not self.leaving
@@ -126,7 +131,7 @@ class RankKeeper:
             and handle.spec.rank
             and handle.spec.rank.generation != instance.generation
         ):
-            self._stop(runner_id, hard=True)  # a rank of an older start
+            self._stop(runner_id, "now")  # a rank of an older start
         elif handle is None and self._started.get(runner_id) != instance.generation:
             if instance.status is READY:  # this worker started after the ring formed
                 self._fail(instance, rank_failure(rank, self.host, "its runner is not running"))
@@ -154,8 +159,8 @@ class RankKeeper:
         past the grace): every rank is stopped at once. Rank 0's host finishes the move once no
         rank runs: Shutdown, or Failed when a leaving host caused it (restarted once back)."""
         if handle is not None:
-            hard = instance.shutdown_mode == "hard"
-            self._stop(handle.spec.runner_id, hard=hard, requeue=instance.error is not None)
+            how: StopHow = "hard" if instance.shutdown_mode == "hard" else "warm"
+            self._stop(handle.spec.runner_id, how, requeue=instance.error is not None)
         elif rank == 0 and all(r.status in FINAL for r in instance.ranks):
             to = FAILED if instance.error else SHUTDOWN
             self.store.transition_instance(
@@ -191,15 +196,20 @@ class RankKeeper:
         log.info("rank starts", extra={"runner": spec.runner_id, "generation": instance.generation})
         self.supervisor.add_rank(spec)
 
-    def _stop(self, runner_id: str, *, hard: bool, requeue: bool = False) -> None:
-        """Stop a rank by the supervisor's escalation, once (in a thread of its own)."""
+    def _stop(self, runner_id: str, how: StopHow, requeue: bool = False) -> None:
+        """Stop a rank by the supervisor's escalation, once (in a thread of its own). `now`:
+        SIGTERM at once (a rank of a failed or older start); `hard`: rank 0 ends its jobs at
+        its next step and closes the ring, which releases the other ranks (each waits a moment
+        longer than rank 0 for that); `warm`: rank 0 drains first, for up to the grace."""
         if runner_id in self._stopping:
             return
         self._stopping.add(runner_id)
-        grace = 0.0 if hard else self.settings.runner_shutdown_grace_s
-        command = StopRunner(mode="hard" if hard else "warm", timeout_s=grace, requeue=requeue)
-        # A rank other than 0 leaves when rank 0 closes the ring: it waits for that too.
-        wait_s = grace + 1.0 if not hard else 0.0
+        grace = self.settings.runner_shutdown_grace_s if how == "warm" else 0.0
+        mode: ShutdownMode = "warm" if how == "warm" else "hard"
+        command = StopRunner(mode=mode, timeout_s=grace, requeue=requeue)
+        handle = self.supervisor.handles.get(runner_id)
+        follower = handle is not None and handle.spec.rank is not None and handle.spec.rank.rank > 0
+        wait_s = 0.0 if how == "now" else grace + HARD_WAIT_S * (2 if follower else 1)
         threading.Thread(
             target=self.supervisor.stop_runner, args=(runner_id, command, wait_s), daemon=True
         ).start()
@@ -281,7 +291,8 @@ class RankKeeper:
         if spec.rank.rank == 0:
             self._set_consumed(instance.id, False)
             latest = self.store.get_instance(instance.id) or instance
-            error = f"instance {instance.id} failed: {latest.error or cause}"
+            ended = "failed" if latest.status is FAILED else "stopped"
+            error = f"instance {instance.id} {ended}: {latest.error or cause}"
             failed = self.store.fail_runner_jobs(spec.runner_id, error)
             if failed:
                 log.error("jobs failed with their instance", extra={"jobs": ",".join(failed)})

@@ -30,6 +30,7 @@ class Pair:
     instance_id: str
     data_dir: Path
     models: list[Path]
+    processes: Processes  # the pair's own: a worker started again lives as long as the pair
 
     def instance(self) -> InstanceRecord:
         record = self.store.get_instance(self.instance_id)
@@ -64,11 +65,11 @@ class Pair:
         assert mode in ("warm", "hard")
         assert self.store.apply_instance_move(shutdown(self.instance(), mode))  # type: ignore[arg-type]
 
-    def restart_worker(self, host: str, processes: Processes) -> Worker:
-        old = self.workers[host]
-        worker = start_worker(processes, self.redis_url, host, self.models, self.data_dir / host)
+    def restart_worker(self, host: str) -> Worker:
+        worker = start_worker(
+            self.processes, self.redis_url, host, self.models, self.data_dir / host
+        )
         self.workers[host] = worker
-        del old
         return worker
 
 
@@ -83,7 +84,7 @@ def start_pair(
         workers[host] = start_worker(processes, redis_url, host, [whole], data_dir / host)
     wait_until(lambda: all(store.get_host(h) for h in HOSTS), 90, "both hosts' heartbeats")
     record, _ = store.place_instance(InstanceRecord.placed(str(model), list(HOSTS), "tensor"))
-    pair = Pair(redis_url, store, workers, record.id, data_dir, [whole])
+    pair = Pair(redis_url, store, workers, record.id, data_dir, [whole], processes)
     pair.wait_ready()
     return pair
 
