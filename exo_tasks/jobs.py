@@ -18,7 +18,7 @@ from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
 from exo_tasks.errors import Conflict, NotFound, QueueFull
 from exo_tasks.fleet import Fleet
-from exo_tasks.naming import find_model, host_queue, model_queue
+from exo_tasks.naming import find_model, host_queue, instance_queue, model_queue
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
@@ -58,10 +58,12 @@ def new_job_id() -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a job goes: its model (as served) and its queue."""
+    """Where a job goes: its model (as served), its queue, and the instance that serves it
+    (None for a model runners hold whole)."""
 
     model: str
     queue: str
+    instance: str | None = None
 
 
 def route(
@@ -74,6 +76,9 @@ def route(
     refuse_if_full before its first byte. With `store`, an unpinned job may go to the host
     that ran its prompt's prefix (exo_tasks.prefix_routing)."""
     model = resolve_model(fleet, settings, request.model)
+    instance = fleet.instance_for(model, request.host)
+    if instance is not None:
+        return Route(model, instance_queue(instance.id), instance.id)
     queue = fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
@@ -126,7 +131,9 @@ def submit(
     fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client;
     `where`: its route, if already found."""
     where = where or route(Fleet.load(store), settings, request, store)
-    job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
+    job = JobRecord(
+        id=job_id or new_job_id(), model=where.model, request=request, instance=where.instance
+    )
     depth = store.create_job(job, where.queue, settings.max_queued_jobs)
     refuse_if_full(where.queue, depth, settings)  # counted as the job was created: this holds
     send(celery, settings, job, where.queue)
@@ -134,8 +141,11 @@ def submit(
 
 
 def queue_of(job: JobRecord) -> str:
-    """The queue a job goes back to: its pinned host's own, or its model's (any host serving
-    it). A job routed by its prefix to a host's queue is not pinned: it comes back here."""
+    """The queue a job goes back to: its instance's, its pinned host's own, or its model's (any
+    host serving it). A job routed by its prefix to a host's queue is not pinned: it comes back
+    here."""
+    if job.instance is not None:
+        return instance_queue(job.instance)
     return host_queue(job.request.host) if job.request.host else model_queue(job.model)
 
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 from pydantic import ValidationError
 
-from exo_tasks import instances
+from exo_tasks import instances, jobs, lifecycle
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.instances import (
     INSTANCE_TRANSITIONS,
@@ -18,6 +18,7 @@ from exo_tasks.instances import (
     ShutdownMode,
 )
 from exo_tasks.naming import instance_of_runner, instance_queue, instance_runner_id, runner_id_for
+from exo_tasks.types import JobRecord, JobRequest
 
 P, ST, R = InstanceStatus.PENDING, InstanceStatus.STARTING, InstanceStatus.READY
 SD, D, F = InstanceStatus.SHUTTING_DOWN, InstanceStatus.SHUTDOWN, InstanceStatus.FAILED
@@ -148,3 +149,12 @@ def test_a_request_names_what_is_wrong(body: dict[str, object], field: str, mess
 def test_a_request_defaults_to_tensor_parallel() -> None:
     request = InstanceRequest.model_validate({"model": "m", "hosts": ["a", "b"]})
     assert request.parallel == "tensor"
+
+
+def test_a_requeued_job_of_an_instance_goes_back_to_the_instances_queue() -> None:
+    request = JobRequest.model_validate({"prompt": "hi", "max_tokens": 4})
+    job = JobRecord(id="j", model="m", request=request, instance="inst-m-0123abcd")
+    again = lifecycle.requeue(job).record
+    assert again.instance == job.instance and again.attempts == 1
+    assert jobs.queue_of(again) == instance_queue("inst-m-0123abcd")
+    assert jobs.queue_of(again.model_copy(update={"instance": None})) == "exo.model.m"

@@ -1,0 +1,145 @@
+"""Routing to instances, on the real API and Redis with the two-worker fleet live: a model only an
+instance serves is listed by /v1/models, counted by /readyz once Ready, and its jobs go to the
+instance's queue (pinned or not); an instance that cannot take them makes them 503 naming why;
+a model some host serves whole keeps going to its runners.
+
+Until the runtime runs ranks, a test moves an instance through the store, standing for the
+supervisors of its hosts; nothing consumes the instance's queue yet, so its jobs stay queued."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exo_tasks.instances import InstanceRecord, InstanceStatus
+from exo_tasks.modelgen import create_model
+from exo_tasks.naming import instance_queue
+from exo_tasks.store import Store, job_key
+from tests.conftest import Stack, TwoHosts
+from tests.support.api import Api
+
+XY = ["fleet-x", "fleet-y"]
+JOB = {"prompt": "hi", "max_tokens": 4}
+STARTING, READY = InstanceStatus.STARTING, InstanceStatus.READY
+
+
+@pytest.fixture(scope="module")
+def gamma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model no host serves whole."""
+    return create_model("tiny", tmp_path_factory.mktemp("routing-models") / "gamma")
+
+
+@pytest.fixture
+def placed(stack: Stack) -> Iterator[list[str]]:
+    ids: list[str] = []
+    yield ids
+    for instance_id in ids:
+        stack.store.remove_instance(instance_id)
+
+
+def place(api: Api, placed: list[str], model: str) -> str:
+    response = api.post("/v1/instances", json={"model": model, "hosts": XY})
+    assert response.status_code == 202, response.text
+    instance_id: str = response.json()["id"]
+    placed.append(instance_id)
+    return instance_id
+
+
+def move(
+    store: Store, instance_id: str, *statuses: InstanceStatus, error: str | None = None
+) -> None:
+    for status in statuses:
+        assert store.transition_instance(instance_id, status, error=error), status
+
+
+def queued_job(api: Api, **body: Any) -> dict[str, Any]:
+    """A job accepted for a model an instance serves, cancelled (it would wait for rank 0)."""
+    response = api.post("/v1/jobs", json={**JOB, **body})
+    assert response.status_code == 202, response.text
+    job: dict[str, Any] = api.get(f"/v1/jobs/{response.json()['id']}").json()
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+    return job
+
+
+def refused(api: Api, **body: Any) -> tuple[int, str]:
+    response = api.post("/v1/jobs", json={**JOB, **body})
+    message: str = response.json()["error"]["message"]
+    return response.status_code, message
+
+
+def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
+    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+) -> None:
+    api, store = stack.api, stack.store
+    instance_id = place(api, placed, str(gamma))
+    cards = {card["id"]: card for card in api.get("/v1/models").json()["data"]}
+    assert cards["gamma"]["hosts"] == XY and cards["gamma"]["instances"] == [instance_id]
+    assert api.get("/v1/models/gamma").status_code == 200
+
+    queue = instance_queue(instance_id)
+    depth = store.queue_depth(queue)
+    job = queued_job(api, model="gamma")
+    assert job["instance"] == instance_id and job["model"] == "gamma"
+    assert store.redis.hget(job_key(job["id"]), "queue") == queue
+    assert store.queue_depth(queue) == depth + 1
+    # Pinned to one of its hosts: the instance's queue too; to another host: none serves it.
+    assert queued_job(api, model="gamma", host="fleet-y")["instance"] == instance_id
+    status, message = refused(api, model="gamma", host="host-a")
+    assert status == 404 and message == "no instance of model 'gamma' runs on host 'host-a'"
+
+    # Ready once its supervisors say so: then /readyz counts it.
+    assert instance_id not in api.get("/readyz").json()["ready_instances"]
+    move(store, instance_id, STARTING)
+    assert instance_id not in api.get("/readyz").json()["ready_instances"]
+    move(store, instance_id, READY)
+    ready = api.get("/readyz")
+    assert ready.status_code == 200 and instance_id in ready.json()["ready_instances"]
+    assert not any(r.startswith("inst-") for r in ready.json()["ready_runners"])
+
+
+def test_jobs_an_instance_cannot_take_are_503_naming_why(
+    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+) -> None:
+    api, store = stack.api, stack.store
+    instance_id = place(api, placed, str(gamma))
+    cause = "rank 1 on host fleet-y: Terminated (signal 9 SIGKILL)"
+    move(store, instance_id, STARTING, InstanceStatus.FAILED, error=cause)
+    status, message = refused(api, model="gamma")
+    assert status == 503
+    assert message == (
+        f"model 'gamma' is served only by instances that cannot take jobs now: {instance_id} "
+        f"is Failed ({cause}); it starts again once all its hosts are live"
+    )
+    assert "gamma" not in {card["id"] for card in api.get("/v1/models").json()["data"]}
+
+    # Placed again: Pending on live hosts, it takes jobs (they wait for its ranks).
+    place(api, placed, str(gamma))
+    assert queued_job(api, model="gamma")["instance"] == instance_id
+    move(store, instance_id, STARTING, READY)
+    assert api.post(f"/v1/instances/{instance_id}/shutdown").status_code == 202
+    status, message = refused(api, model="gamma")
+    assert status == 503 and message.endswith(f"{instance_id} is ShuttingDown")
+
+    # Placed where a host has no heartbeat (EXO_INSTANCES does not wait for the hosts).
+    waiting = InstanceRecord.placed("/elsewhere/delta", ["fleet-x", "ghost"], "tensor")
+    store.place_instance(waiting)
+    placed.append(waiting.id)
+    status, message = refused(api, model="delta")
+    assert status == 503
+    assert message.endswith(f"{waiting.id} is Pending, waiting for host ghost (no heartbeat)")
+
+
+def test_a_model_some_host_serves_whole_runs_on_its_runners_beside_an_instance(
+    stack: Stack, fleet: TwoHosts, placed: list[str]
+) -> None:
+    alpha = fleet.x.env["EXO_MODELS"]
+    instance_id = place(stack.api, placed, alpha)
+    move(stack.store, instance_id, STARTING, READY)
+    job = stack.api.wait_job(stack.api.submit(model="alpha", **JOB))
+    assert job["status"] == "succeeded" and job["instance"] is None
+    assert job["runner_id"] in ("alpha@fleet-x", "alpha@fleet-y")
+    cards = {card["id"]: card for card in stack.api.get("/v1/models").json()["data"]}
+    assert cards["alpha"]["hosts"] == XY and cards["alpha"]["instances"] == [instance_id]

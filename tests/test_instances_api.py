@@ -1,0 +1,179 @@
+"""The instance routes on the real API and Redis, with live heartbeats from real workers (the
+two-worker fleet, fleet-x and fleet-y, and the stack's host-a): a placement is checked before
+anything is placed (model, split, heads, hosts live) and is idempotent; a shutdown moves the
+instance as its state allows.
+
+Until the runtime runs ranks, a test moves an instance to Starting, Ready or Failed through the
+store, standing for the supervisors of its hosts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exo_tasks.instances import InstanceStatus
+from exo_tasks.modelgen import create_model
+from exo_tasks.naming import instance_queue
+from exo_tasks.store import Store
+from tests.conftest import Stack, TwoHosts
+from tests.support.api import Api
+
+XY = ["fleet-x", "fleet-y"]
+
+
+@pytest.fixture(scope="module")
+def gamma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model no host serves whole (the tiny preset: 4 attention heads, 2 key/value heads)."""
+    return create_model("tiny", tmp_path_factory.mktemp("instance-models") / "gamma")
+
+
+@pytest.fixture
+def placed(stack: Stack) -> Iterator[list[str]]:
+    """The ids of the instances a test placed, removed at its end."""
+    ids: list[str] = []
+    yield ids
+    for instance_id in ids:
+        stack.store.remove_instance(instance_id)
+
+
+def place(api: Api, placed: list[str], **body: Any) -> dict[str, Any]:
+    response = api.post("/v1/instances", json=body)
+    assert response.status_code == 202, response.text
+    instance: dict[str, Any] = response.json()
+    placed.append(instance["id"])
+    return instance
+
+
+def move(
+    store: Store, instance_id: str, *statuses: InstanceStatus, error: str | None = None
+) -> None:
+    """The instance moved as its hosts' supervisors would move it."""
+    for status in statuses:
+        assert store.transition_instance(instance_id, status, error=error), status
+
+
+def test_an_instance_is_placed_once_and_shows_each_rank(
+    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+) -> None:
+    instance = place(stack.api, placed, model=str(gamma), hosts=XY)
+    assert instance["id"].startswith("inst-gamma-")
+    assert instance["status"] == "Pending" and instance["error"] is None
+    assert instance["model"] == "gamma" and instance["model_path"] == str(gamma)
+    assert instance["hosts"] == XY and instance["parallel"] == "tensor"
+    assert instance["generation"] == 1 and instance["shutdown_mode"] is None
+    ranks = [
+        (r["rank"], r["host"], r["runner_id"], r["pid"], r["status"], r["weights_bytes"])
+        for r in instance["ranks"]
+    ]
+    assert ranks == [
+        (0, "fleet-x", f"{instance['id']}.rank0", None, "WaitingForModel", None),
+        (1, "fleet-y", f"{instance['id']}.rank1", None, "WaitingForModel", None),
+    ]
+    assert stack.api.get(f"/v1/instances/{instance['id']}").json() == instance
+    assert instance in stack.api.get("/v1/instances").json()
+
+    # The same placement again (the model by another path to it): the same instance.
+    again = place(stack.api, placed, model=f"{gamma}/", hosts=XY)
+    assert again == instance
+
+    # The fleet view: both hosts have a rank; rank 0's host consumes the instance's queue.
+    hosts = {h["name"]: h for h in stack.api.get("/v1/hosts").json()}
+    assert instance["id"] in hosts["fleet-x"]["instances"]
+    assert instance["id"] in hosts["fleet-y"]["instances"]
+    assert hosts["fleet-x"]["queues"][instance_queue(instance["id"])] == 0
+    assert instance_queue(instance["id"]) not in hosts["fleet-y"]["queues"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field", "words"),
+    [
+        ({"model": "no-such-model", "hosts": XY}, 404, "model", "unknown model 'no-such-model'"),
+        ({"hosts": ["fleet-x", "ghost"]}, 404, "hosts", "no live worker on host 'ghost'"),
+        ({"hosts": ["fleet-x", "fleet-x"]}, 422, "hosts", "'fleet-x' is listed twice"),
+        ({"hosts": ["fleet-x"]}, 422, "hosts", "at least 2"),
+        ({"hosts": XY, "parallel": "pipeline"}, 422, "parallel", "has no `model.pipeline`"),
+        ({"hosts": XY, "parallel": "data"}, 422, "parallel", "'tensor' or 'pipeline'"),
+        ({"hosts": [*XY, "host-a"]}, 422, "hosts", "4 attention heads: 3 tensor-parallel"),
+        # The split is checked before the hosts: 4 ranks would split the heads, not the kv heads.
+        ({"hosts": [*XY, "host-a", "ghost"]}, 422, "hosts", "2 key/value heads: 4 tensor"),
+    ],
+    ids=[
+        "unknown-model",
+        "dead-host",
+        "duplicate-hosts",
+        "one-host",
+        "pipeline-on-llama",
+        "unknown-split",
+        "more-ranks-than-heads",
+        "more-ranks-than-kv-heads",
+    ],
+)
+def test_a_placement_that_cannot_work_is_refused_naming_why(
+    stack: Stack,
+    fleet: TwoHosts,
+    gamma: Path,
+    body: dict[str, Any],
+    status: int,
+    field: str,
+    words: str,
+) -> None:
+    before = stack.api.get("/v1/instances").json()
+    response = stack.api.post("/v1/instances", json={"model": str(gamma), **body})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"], error
+    details = error["details"]
+    named = details[0]["field"] if isinstance(details, list) else details["field"]
+    assert named == field
+    assert stack.api.get("/v1/instances").json() == before
+
+
+def test_llama_is_refused_pipeline_parallel_naming_what_it_has(
+    stack: Stack, fleet: TwoHosts, gamma: Path
+) -> None:
+    response = stack.api.post(
+        "/v1/instances", json={"model": str(gamma), "hosts": XY, "parallel": "pipeline"}
+    )
+    assert response.json()["error"]["message"] == (
+        f"model '{gamma}' cannot be split pipeline-parallel: mlx-lm's llama model has no "
+        "`model.pipeline` (it has tensor)"
+    )
+
+
+def test_a_shutdown_moves_the_instance_as_its_state_allows(
+    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+) -> None:
+    api, store = stack.api, stack.store
+    instance = place(api, placed, model=str(gamma), hosts=XY)
+    path = f"/v1/instances/{instance['id']}/shutdown"
+    # Pending: no rank runs yet, so it is stopped at once.
+    stopped = api.post(path, json={"mode": "warm"})
+    assert stopped.status_code == 202, stopped.text
+    assert stopped.json()["status"] == "Shutdown" and stopped.json()["shutdown_mode"] == "warm"
+    again = api.post(path, json={"mode": "hard"})
+    assert again.status_code == 409 and "is Shutdown" in again.json()["error"]["message"]
+
+    # Placed again: its next generation, Pending.
+    restarted = place(api, placed, model=str(gamma), hosts=XY)
+    assert restarted["status"] == "Pending" and restarted["generation"] == 2
+    assert restarted["shutdown_mode"] is None
+    move(store, instance["id"], InstanceStatus.STARTING, InstanceStatus.READY)
+    warm = api.post(path)  # no body: warm
+    assert warm.status_code == 202
+    assert warm.json()["status"] == "ShuttingDown" and warm.json()["shutdown_mode"] == "warm"
+    assert api.post(path, json={"mode": "warm"}).status_code == 409
+    hard = api.post(path, json={"mode": "hard"})
+    assert hard.status_code == 202 and hard.json()["shutdown_mode"] == "hard"
+    refused = api.post(path, json={"mode": "hard"})
+    assert refused.status_code == 409
+    assert refused.json()["error"]["message"].endswith("is already shutting down (hard)")
+    stored = store.get_instance(instance["id"])
+    assert stored is not None and stored.shutdown_mode == "hard"
+
+    assert api.post(path, json={"mode": "cold"}).status_code == 422
+    unknown = api.post("/v1/instances/inst-nope-00000000/shutdown")
+    assert unknown.status_code == 404
+    assert api.get("/v1/instances/inst-nope-00000000").status_code == 404
