@@ -18,12 +18,18 @@ import pytest
 
 from config.settings import Settings
 from exo_tasks.instances import InstanceStatus
-from exo_tasks.modelgen import create_model
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.store import Store
 from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
-from tests.support.instances import Pair, listening, start_pair, submit, wait_gone
-from tests.support.processes import Processes, wait_until
+from tests.support.instances import (
+    Pair,
+    listening,
+    pids_and_ports,
+    running_pair,
+    submit,
+    wait_gone,
+)
+from tests.support.processes import RedisServer, wait_until
 
 DEFAULTS = Settings(_env_file=None)
 # The bound for the ranks left behind: the decode stall limit + the kill escalation (a hung
@@ -34,15 +40,14 @@ LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def pair(
-    redis_server: object, store: Store, chat_model: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_server: RedisServer,
+    store: Store,
+    chat_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pair]:
-    processes = Processes()
     data_dir = tmp_path_factory.mktemp("instance-faults")
-    whole = create_model("chat", data_dir / "whole")
-    try:
-        yield start_pair(processes, redis_server.url, store, data_dir, whole, chat_model)  # type: ignore[attr-defined]
-    finally:
-        processes.stop_all()
+    with running_pair(redis_server.url, store, data_dir, chat_model) as pair:
+        yield pair
 
 
 def running_job(pair: Pair) -> str:
@@ -68,11 +73,11 @@ def assert_nothing_left(pair: Pair, pids: list[int], ports: list[int]) -> None:
 def test_sigkill_of_rank_1_stops_rank_0_and_fails_the_instance_naming_rank_1(pair: Pair) -> None:
     before = pair.wait_ready()
     job_id = running_job(pair)
-    pids, ports = [r.pid for r in before.ranks], [r.port for r in before.ranks]
+    pids, ports = pids_and_ports(before)
     os.kill(pids[1], signal.SIGKILL)
     took = wait_gone(pids[0], STOP_BOUND_S, "rank 0 stopped")
     assert_failed_with(pair, job_id, "rank 1 on host b", "signal 9 SIGKILL")
-    assert_nothing_left(pair, pids, ports)  # type: ignore[arg-type]
+    assert_nothing_left(pair, pids, ports)
     after = pair.wait_ready(before.generation)
     assert after.generation > before.generation and took < STOP_BOUND_S
 
@@ -80,11 +85,11 @@ def test_sigkill_of_rank_1_stops_rank_0_and_fails_the_instance_naming_rank_1(pai
 def test_sigkill_of_rank_0_stops_rank_1_and_fails_the_instance_naming_rank_0(pair: Pair) -> None:
     before = pair.wait_ready()
     job_id = running_job(pair)
-    pids, ports = [r.pid for r in before.ranks], [r.port for r in before.ranks]
+    pids, ports = pids_and_ports(before)
     os.kill(pids[0], signal.SIGKILL)
     wait_gone(pids[1], STOP_BOUND_S, "rank 1 stopped")
     assert_failed_with(pair, job_id, "rank 0 on host a", "signal 9 SIGKILL")
-    assert_nothing_left(pair, pids, ports)  # type: ignore[arg-type]
+    assert_nothing_left(pair, pids, ports)
     pair.wait_ready(before.generation)
 
 
@@ -93,13 +98,13 @@ def test_sigkill_of_a_rank_s_worker_fails_the_instance_until_the_host_is_back(
 ) -> None:
     before = pair.wait_ready()
     job_id = running_job(pair)
-    pids, ports = [r.pid for r in before.ranks], [r.port for r in before.ranks]
+    pids, ports = pids_and_ports(before)
     worker_b = pair.workers["b"].process
     os.kill(worker_b.pid, signal.SIGKILL)
     worker_b.wait(10)
     wait_gone(pids[0], STOP_BOUND_S, "rank 0 stopped")
     assert_failed_with(pair, job_id, "rank 1 on host b", f"worker (pid {worker_b.pid}) died")
-    assert_nothing_left(pair, pids, ports)  # type: ignore[arg-type]
+    assert_nothing_left(pair, pids, ports)
     pair.restart_worker("b")
     pair.wait_ready(before.generation)
 
@@ -109,13 +114,13 @@ def test_a_host_gone_silent_takes_the_instance_down_within_the_stall_bound(pair:
     rank 0): rank 0, mid-job, stalls and is stopped by its own supervisor."""
     before = pair.wait_ready()
     job_id = running_job(pair)
-    pids = [r.pid for r in before.ranks]
+    pids, _ = pids_and_ports(before)
     frozen = [pair.workers["b"].pid, pids[1]]
     for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        os.kill(pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        wait_gone(pids[0], STOP_BOUND_S + 1.0, "rank 0 stopped")  # type: ignore[arg-type]
+        wait_gone(pids[0], STOP_BOUND_S + 1.0, "rank 0 stopped")
         stopped_s = time.monotonic() - started
         record = pair.wait_status(InstanceStatus.FAILED, HEARTBEAT_TTL_S + 5)
         assert record.error is not None and "host b" in record.error, record.error
@@ -124,8 +129,8 @@ def test_a_host_gone_silent_takes_the_instance_down_within_the_stall_bound(pair:
         assert stopped_s < STOP_BOUND_S + 1.0
     finally:
         for pid in frozen:
-            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
-    wait_gone(pids[1], STOP_BOUND_S, "rank 1 stopped once thawed")  # type: ignore[arg-type]
+            os.kill(pid, signal.SIGCONT)
+    wait_gone(pids[1], STOP_BOUND_S, "rank 1 stopped once thawed")
     pair.wait_ready(before.generation)
 
 
@@ -133,30 +138,30 @@ def test_a_warm_shutdown_drains_then_stops_every_rank(pair: Pair) -> None:
     before = pair.wait_ready()
     job_id = submit(pair, prompt="drain me", max_tokens=300, ignore_eos=True)
     wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
-    pids, ports = [r.pid for r in before.ranks], [r.port for r in before.ranks]
+    pids, ports = pids_and_ports(before)
     pair.shut_down("warm")
     record = pair.wait_status(InstanceStatus.SHUTDOWN, DEFAULTS.runner_shutdown_grace_s + 10)
     job = pair.store.get_job(job_id)
     assert job is not None and job.status == "succeeded" and job.usage.completion_tokens == 300
     assert [r.status for r in record.ranks] == ["Shutdown", "Shutdown"], record.ranks
-    assert_nothing_left(pair, pids, ports)  # type: ignore[arg-type]
-    pair.store.place_instance(record)  # placed again: a new generation
+    assert_nothing_left(pair, pids, ports)
+    pair.place_again()  # a new generation
     pair.wait_ready(before.generation)
 
 
 def test_a_hard_shutdown_stops_every_rank_at_once(pair: Pair) -> None:
     before = pair.wait_ready()
     job_id = running_job(pair)
-    pids, ports = [r.pid for r in before.ranks], [r.port for r in before.ranks]
+    pids, ports = pids_and_ports(before)
     started = time.monotonic()
     pair.shut_down("hard")
     for pid in pids:
-        wait_gone(pid, TERM_WAIT_S + KILL_WAIT_S, f"rank process {pid}")  # type: ignore[arg-type]
+        wait_gone(pid, TERM_WAIT_S + KILL_WAIT_S, f"rank process {pid}")
     took = time.monotonic() - started
     pair.wait_status(InstanceStatus.SHUTDOWN, 10)
     job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 10, "job")
     assert job.status == "failed" and job.output.finish_reason == "shutdown", job
-    assert_nothing_left(pair, pids, ports)  # type: ignore[arg-type]
+    assert_nothing_left(pair, pids, ports)
     assert took < TERM_WAIT_S + KILL_WAIT_S
-    pair.store.place_instance(pair.instance())
+    pair.place_again()
     pair.wait_ready(before.generation)

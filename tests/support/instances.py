@@ -4,14 +4,19 @@ the runtime's tests share."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from exo_tasks.instances import InstanceRecord, InstanceStatus, shutdown
+from exo_tasks.instances import InstanceRecord, InstanceStatus
+from exo_tasks.modelgen import create_model
 from exo_tasks.store import Store
+from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, has_exited, wait_until
 from tests.support.workers import Worker, start_worker
 
@@ -31,6 +36,7 @@ class Pair:
     data_dir: Path
     models: list[Path]
     processes: Processes  # the pair's own: a worker started again lives as long as the pair
+    api: Api
 
     def instance(self) -> InstanceRecord:
         record = self.store.get_instance(self.instance_id)
@@ -62,8 +68,15 @@ class Pair:
         return found
 
     def shut_down(self, mode: str) -> None:
-        assert mode in ("warm", "hard")
-        assert self.store.apply_instance_move(shutdown(self.instance(), mode))  # type: ignore[arg-type]
+        path = f"/v1/instances/{self.instance_id}/shutdown"
+        response = self.api.post(path, json={"mode": mode})
+        assert response.status_code == 202, response.text
+
+    def place_again(self) -> None:
+        record = self.instance()
+        body = {"model": record.model_path, "hosts": record.hosts, "parallel": record.parallel}
+        response = self.api.post("/v1/instances", json=body)
+        assert response.status_code == 202, response.text
 
     def restart_worker(self, host: str) -> Worker:
         worker = start_worker(
@@ -73,20 +86,43 @@ class Pair:
         return worker
 
 
-def start_pair(
-    processes: Processes, redis_url: str, store: Store, data_dir: Path, whole: Path, model: Path
-) -> Pair:
-    """Workers a and b serving `whole` (a model of their own, whole), and an instance of
-    `model` over both, Ready."""
-    workers = {}
-    for host in HOSTS:
-        (data_dir / host).mkdir(parents=True, exist_ok=True)
-        workers[host] = start_worker(processes, redis_url, host, [whole], data_dir / host)
-    wait_until(lambda: all(store.get_host(h) for h in HOSTS), 90, "both hosts' heartbeats")
-    record, _ = store.place_instance(InstanceRecord.placed(str(model), list(HOSTS), "tensor"))
-    pair = Pair(redis_url, store, workers, record.id, data_dir, [whole], processes)
-    pair.wait_ready()
-    return pair
+@contextlib.contextmanager
+def running_pair(redis_url: str, store: Store, data_dir: Path, model: Path) -> Iterator[Pair]:
+    """Workers a and b, each serving `whole` (the `chat` preset under another name, whole: the
+    model the instance's texts are compared with), the API, and an instance of `model` over
+    a and b placed through it, Ready. Every process is stopped at the end of the block."""
+    processes = Processes()
+    whole = create_model("chat", data_dir / "whole")
+    try:
+        workers = {}
+        for host in HOSTS:
+            (data_dir / host).mkdir(parents=True, exist_ok=True)
+            workers[host] = start_worker(processes, redis_url, host, [whole], data_dir / host)
+        wait_until(lambda: all(store.get_host(h) for h in HOSTS), 90, "both hosts' heartbeats")
+        with serving(api_settings(redis_url, [whole])) as api:
+            placed = place(api, model)
+            pair = Pair(redis_url, store, workers, placed, data_dir, [whole], processes, api)
+            pair.wait_ready()
+            yield pair
+    finally:
+        processes.stop_all()
+
+
+def place(api: Api, model: Path, hosts: tuple[str, ...] = HOSTS) -> str:
+    """An instance of `model` over `hosts`, placed through the API; its id."""
+    body = {"model": str(model), "hosts": list(hosts), "parallel": "tensor"}
+    response = api.post("/v1/instances", json=body)
+    assert response.status_code == 202, response.text
+    instance_id: str = response.json()["id"]
+    return instance_id
+
+
+def pids_and_ports(record: InstanceRecord) -> tuple[list[int], list[int]]:
+    """Each rank's process and ring port, in rank order."""
+    pids = [r.pid for r in record.ranks]
+    ports = [r.port for r in record.ranks]
+    assert all(pids) and all(ports), record.ranks
+    return [p for p in pids if p], [p for p in ports if p]
 
 
 def wait_gone(pid: int, timeout_s: float, what: str) -> float:
@@ -105,16 +141,7 @@ def listening(port: int) -> bool:
     )
 
 
-def submit(pair: Pair, **body: object) -> str:
-    """A job for the instance, sent to its queue as the API's routing sends it."""
-    from exo_tasks import jobs
-    from exo_tasks.celery_app import ExoCelery
-    from exo_tasks.naming import instance_queue
-    from exo_tasks.types import JobRequest
-    from tests.support.api import api_settings
-
-    settings = api_settings(pair.redis_url, pair.models)
-    record = pair.instance()
-    request = JobRequest.model_validate({**body, "model": record.model})
-    where = jobs.Route(model=record.model, queue=instance_queue(record.id))
-    return jobs.submit(pair.store, ExoCelery(settings), settings, request, where=where).id
+def submit(pair: Pair, **body: Any) -> str:
+    """A job for the instance's model, through POST /v1/jobs (the model is served by no host
+    whole: its jobs go to the instance)."""
+    return pair.api.submit(model=pair.instance().model, **body)
