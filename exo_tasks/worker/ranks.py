@@ -41,7 +41,7 @@ from exo_tasks.naming import find_model, instance_queue, instance_runner_id, mod
 from exo_tasks.runner.process import RunnerSpec
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
-from exo_tasks.worker.supervision import RunnerHandle, exit_cause, rank_failure
+from exo_tasks.worker.supervision import RunnerHandle, exit_cause, in_thread, rank_failure
 from exo_tasks.worker.supervisor import RunnerSupervisor
 
 log = logging.getLogger("exo_tasks.ranks")
@@ -91,7 +91,8 @@ class RankKeeper:
     def keep_once(self) -> None:
         instances = [i for i in self.store.list_instances() if self.host in i.hosts]
         mine = {self._runner_id(i) for i in instances}
-        for runner_id in self.supervisor.rank_ids():
+        ranks = [i for i, h in list(self.supervisor.handles.items()) if h.spec.rank is not None]
+        for runner_id in ranks:
             if runner_id not in mine:  # its instance was removed
                 self._stop(runner_id, "now")
         for instance in instances:
@@ -210,9 +211,7 @@ class RankKeeper:
         handle = self.supervisor.handles.get(runner_id)
         follower = handle is not None and handle.spec.rank is not None and handle.spec.rank.rank > 0
         wait_s = 0.0 if how == "now" else grace + HARD_WAIT_S * (2 if follower else 1)
-        threading.Thread(
-            target=self.supervisor.stop_runner, args=(runner_id, command, wait_s), daemon=True
-        ).start()
+        in_thread(self.supervisor.stop_runner, runner_id, command, wait_s)
 
     def leave(self, hard: bool) -> None:
         """This worker is stopping: its instances shut down (warm: rank 0 drains), and fail

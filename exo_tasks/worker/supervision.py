@@ -5,6 +5,7 @@ supervisor keeps of each runner. No processes are started or signalled here."""
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -39,6 +40,13 @@ def exit_cause(exitcode: int | None) -> str:
 def rank_failure(rank: int, host: str, cause: str) -> str:
     """Why an instance failed, as its `error` says it: the rank, its host and the cause."""
     return f"rank {rank} on host {host}: {cause}"
+
+
+def in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
+    """Run `target(*args)` in a daemon thread of its own, started."""
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
 
 
 def restart_backoff_s(failures_in_a_row: int) -> float:

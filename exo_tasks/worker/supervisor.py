@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
@@ -37,6 +36,7 @@ from exo_tasks.worker.supervision import (
     ServingCallback,
     StoppedCallback,
     exit_cause,
+    in_thread,
     restart_backoff_s,
 )
 
@@ -86,10 +86,6 @@ class RunnerSupervisor:
             handle = self.handles[spec.runner_id] = RunnerHandle(spec)
             self._spawn(handle)
 
-    def rank_ids(self) -> list[str]:
-        with self._lock:
-            return [i for i, h in self.handles.items() if h.spec.rank is not None]
-
     @property
     def models(self) -> list[str]:
         return [h.spec.model for h in self.handles.values() if h.spec.rank is None]
@@ -136,7 +132,7 @@ class RunnerSupervisor:
         self._check_stalls()
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
             self._drain_deadline = None
-            self._in_thread(self._stop_all, "hard")
+            in_thread(self._stop_all, "hard")
 
     def _check_stalls(self) -> None:
         for runner_id, handle in list(self.handles.items()):
@@ -151,7 +147,7 @@ class RunnerSupervisor:
                 log.error("runner is hung; stopping it", extra={"runner": runner_id, "why": stall})
                 handle.stall = stall
                 self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {stall}")
-                self._in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
+                in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
 
     def _on_exit(self, handle: RunnerHandle) -> None:
         with self._lock:
@@ -169,7 +165,7 @@ class RunnerSupervisor:
                 if self.handles.get(handle.spec.runner_id) is handle:
                     del self.handles[handle.spec.runner_id]
                 why = f"{handle.stall}; {cause}" if handle.stall else cause
-                self._in_thread(self.on_rank_exit, handle, process.exitcode, why)
+                in_thread(self.on_rank_exit, handle, process.exitcode, why)
             elif handle.stop is not None and handle.stall is None:
                 self._record_stop(handle, handle.stop, cause)
             elif process.exitcode == runner_process.EXIT_UNLOADED:
@@ -278,7 +274,7 @@ class RunnerSupervisor:
                 time.sleep(CONTROL_POLL_S)
                 continue
             if request is not None:
-                self._in_thread(self.handle_request, request)
+                in_thread(self.handle_request, request)
 
     def handle_request(self, request: SupervisorRequest) -> None:
         if request.runner_id not in self.handles:
@@ -393,7 +389,7 @@ class RunnerSupervisor:
         grace = self.settings.runner_shutdown_grace_s if warm else 1.0
         command = StopRunner(mode="warm" if warm else "hard", timeout_s=grace, requeue=True)
         threads = [
-            self._in_thread(self.stop_runner, runner_id, command, grace + 1.0)
+            in_thread(self.stop_runner, runner_id, command, grace + 1.0)
             for runner_id, handle in self.handles.items()
             if handle.process is not None
         ]
@@ -402,9 +398,3 @@ class RunnerSupervisor:
         if warm or not any(h.process for h in self.handles.values()):
             self._closing.set()
             self.on_stopped()
-
-    @staticmethod
-    def _in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        thread.start()
-        return thread
