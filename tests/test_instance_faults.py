@@ -165,3 +165,25 @@ def test_a_hard_shutdown_stops_every_rank_at_once(pair: Pair) -> None:
     assert took < TERM_WAIT_S + KILL_WAIT_S
     pair.place_again()
     pair.wait_ready(before.generation)
+
+
+def test_a_warm_worker_shutdown_drains_the_instance_then_stops_every_rank(pair: Pair) -> None:
+    """Worker b (rank 1) leaves warm: rank 0 finishes the job in flight, closes the ring, every
+    rank exits 0; the instance is Failed naming host b, and starts again once b is back."""
+    before = pair.wait_ready()
+    job_id = submit(pair, prompt="drain me", max_tokens=200, ignore_eos=True)
+    wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    pids, ports = pids_and_ports(before)
+    worker_b = pair.workers["b"].process
+    worker_b.send_signal(signal.SIGTERM)
+    worker_b.wait(DEFAULTS.runner_shutdown_grace_s + TERM_WAIT_S + KILL_WAIT_S)
+    job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 30, "job")
+    assert job.status == "succeeded" and job.usage.completion_tokens == 200, job
+    for pid in pids:
+        wait_gone(pid, 5, f"rank process {pid}")
+    record = pair.wait_status(InstanceStatus.FAILED, 10)
+    assert record.error == "rank 1 on host b: its worker stopped", record.error
+    assert [r.status for r in record.ranks] == ["Shutdown", "Shutdown"], record.ranks
+    assert_nothing_left(pair, pids, ports)
+    pair.restart_worker("b")
+    pair.wait_ready(before.generation)

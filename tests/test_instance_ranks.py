@@ -6,6 +6,7 @@ and leaves its batch's other texts as they were; on the `bench` preset each rank
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,3 +131,19 @@ def test_each_rank_holds_at_most_0_6_of_the_bench_model(pair: Pair, tmp_path: Pa
     wait_until(
         lambda: (r := pair.store.get_instance(instance_id)) and r.status == "Shutdown", 30, "stop"
     )
+
+
+def test_a_job_s_time_limit_and_keep_alive_on_an_instance(pair: Pair) -> None:
+    """A job past its own time limit ends timed_out with its text so far, as on any runner; a
+    job asking for keep_alive 0 does not unload a rank (one rank alone cannot leave)."""
+    before = pair.instance()
+    timed = submit(pair, prompt="slow", max_tokens=4000, ignore_eos=True, timeout_s=3)
+    brief = submit(pair, prompt="brief", max_tokens=8, keep_alive=0)
+    assert pair.api.wait_job(brief)["status"] == "succeeded"
+    job = pair.api.wait_job(timed, 30)
+    assert job["status"] == "timed_out" and job["output"]["finish_reason"] == "time_limit"
+    assert job["output"]["text"]
+    time.sleep(2)  # longer than keep_alive 0 takes to unload a whole runner
+    after = pair.instance()
+    assert after.status == "Ready" and after.generation == before.generation
+    assert [r.pid for r in after.ranks] == [r.pid for r in before.ranks]

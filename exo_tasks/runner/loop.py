@@ -339,7 +339,8 @@ class Runner:
         if in_engine:
             self.loaded.remove(job_id)
         self.outbox.endings.append(job.ended(JobStatus(status), reason, error))
-        self.keep_alive.idle_from(time.monotonic(), job.record.request.keep_alive)
+        keep_alive = None if self.spec.rank else job.record.request.keep_alive  # a rank stays
+        self.keep_alive.idle_from(time.monotonic(), keep_alive)
         log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
         self._after_job_left()
 
