@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 
-from exo_tasks.instances import InstanceStatus
+from exo_tasks import instance_service
+from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.modelgen import create_model
 from exo_tasks.naming import instance_queue
 from exo_tasks.store import Store
-from tests.conftest import Stack, TwoHosts
-from tests.support.api import Api
+from tests.conftest import Stack, TwoHosts, new_worker
+from tests.support.api import Api, api_settings
+from tests.support.processes import Processes
 
 XY = ["fleet-x", "fleet-y"]
 
@@ -177,3 +179,35 @@ def test_a_shutdown_moves_the_instance_as_its_state_allows(
     unknown = api.post("/v1/instances/inst-nope-00000000/shutdown")
     assert unknown.status_code == 404
     assert api.get("/v1/instances/inst-nope-00000000").status_code == 404
+
+
+def test_exo_instances_are_placed_once_when_workers_start(
+    stack: Stack,
+    processes: Processes,
+    tiny_model: Path,
+    gamma: Path,
+    tmp_path: Path,
+    placed: list[str],
+) -> None:
+    spec = f"{gamma}@inst-a,inst-b;{gamma}@inst-a,inst-b:pipeline"
+    expected = InstanceRecord.placed(str(gamma), ["inst-a", "inst-b"], "tensor")
+    pipeline = InstanceRecord.placed(str(gamma), ["inst-a", "inst-b"], "pipeline")
+    placed.extend([expected.id, pipeline.id])
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "inst-a", instances=spec)
+    # Placed although inst-b has no worker yet: Pending until it has.
+    record = stack.store.get_instance(expected.id)
+    assert record is not None and record.status is InstanceStatus.PENDING
+    assert (record.model, record.hosts, record.model_path) == (
+        "gamma",
+        ["inst-a", "inst-b"],
+        str(gamma),
+    )
+    # An entry that cannot work is skipped, saying why; the worker serves the rest.
+    assert stack.store.get_instance(pipeline.id) is None
+    assert "EXO_INSTANCES entry skipped" in worker.log_text()
+    assert "has no `model.pipeline`" in worker.log_text()
+
+    # The other host's worker, with the same list, places nothing new.
+    other = api_settings(stack.redis.url, [], instances=spec)
+    assert [i.id for i in instance_service.place_configured(stack.store, other)] == [expected.id]
+    assert stack.store.get_instance(expected.id) == record
