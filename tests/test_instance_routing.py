@@ -1,10 +1,11 @@
-"""Routing to instances, on the real API and Redis with the two-worker fleet live: a model only an
-instance serves is listed by /v1/models, counted by /readyz once Ready, and its jobs go to the
-instance's queue (pinned or not); an instance that cannot take them makes them 503 naming why;
-a model some host serves whole keeps going to its runners.
+"""Routing to instances, on the real API and Redis: a model only an instance serves is listed by
+/v1/models, counted by /readyz once Ready, and its jobs go to the instance's queue (pinned or
+not); an instance that cannot take them makes them 503 naming why; a model some host serves
+whole (the two-worker fleet's alpha) keeps going to its runners.
 
-Until the runtime runs ranks, a test moves an instance through the store, standing for the
-supervisors of its hosts; nothing consumes the instance's queue yet, so its jobs stay queued."""
+The instances are placed on held hosts (tests/support/held_hosts.py: live heartbeats, no
+worker), so each status is the test's to set, standing for the hosts' supervisors; nothing
+consumes such an instance's queue, so its jobs stay queued until cancelled."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from exo_tasks.naming import instance_queue
 from exo_tasks.store import Store, job_key
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api
+from tests.support.held_hosts import held_hosts
 
-XY = ["fleet-x", "fleet-y"]
+HELD = ("held-a", "held-b")
 JOB = {"prompt": "hi", "max_tokens": 4}
 STARTING, READY = InstanceStatus.STARTING, InstanceStatus.READY
 
@@ -34,14 +36,16 @@ def gamma(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def placed(stack: Stack) -> Iterator[list[str]]:
+    """The ids of the instances a test placed (on the held hosts, live meanwhile)."""
     ids: list[str] = []
-    yield ids
+    with held_hosts(stack.store, *HELD):
+        yield ids
     for instance_id in ids:
         stack.store.remove_instance(instance_id)
 
 
 def place(api: Api, placed: list[str], model: str) -> str:
-    response = api.post("/v1/instances", json={"model": model, "hosts": XY})
+    response = api.post("/v1/instances", json={"model": model, "hosts": list(HELD)})
     assert response.status_code == 202, response.text
     instance_id: str = response.json()["id"]
     placed.append(instance_id)
@@ -71,12 +75,12 @@ def refused(api: Api, **body: Any) -> tuple[int, str]:
 
 
 def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
-    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+    stack: Stack, gamma: Path, placed: list[str]
 ) -> None:
     api, store = stack.api, stack.store
     instance_id = place(api, placed, str(gamma))
     cards = {card["id"]: card for card in api.get("/v1/models").json()["data"]}
-    assert cards["gamma"]["hosts"] == XY and cards["gamma"]["instances"] == [instance_id]
+    assert cards["gamma"]["hosts"] == list(HELD) and cards["gamma"]["instances"] == [instance_id]
     assert api.get("/v1/models/gamma").status_code == 200
 
     queue = instance_queue(instance_id)
@@ -86,7 +90,7 @@ def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
     assert store.redis.hget(job_key(job["id"]), "queue") == queue
     assert store.queue_depth(queue) == depth + 1
     # Pinned to one of its hosts: the instance's queue too; to another host: none serves it.
-    assert queued_job(api, model="gamma", host="fleet-y")["instance"] == instance_id
+    assert queued_job(api, model="gamma", host="held-b")["instance"] == instance_id
     status, message = refused(api, model="gamma", host="host-a")
     assert status == 404 and message == "no instance of model 'gamma' runs on host 'host-a'"
 
@@ -101,11 +105,11 @@ def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
 
 
 def test_jobs_an_instance_cannot_take_are_503_naming_why(
-    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+    stack: Stack, gamma: Path, placed: list[str]
 ) -> None:
     api, store = stack.api, stack.store
     instance_id = place(api, placed, str(gamma))
-    cause = "rank 1 on host fleet-y: Terminated (signal 9 SIGKILL)"
+    cause = "rank 1 on host held-b: Terminated (signal 9 SIGKILL)"
     move(store, instance_id, STARTING, InstanceStatus.FAILED, error=cause)
     status, message = refused(api, model="gamma")
     assert status == 503
@@ -124,7 +128,7 @@ def test_jobs_an_instance_cannot_take_are_503_naming_why(
     assert status == 503 and message.endswith(f"{instance_id} is ShuttingDown")
 
     # Placed where a host has no heartbeat (EXO_INSTANCES does not wait for the hosts).
-    waiting = InstanceRecord.placed("/elsewhere/delta", ["fleet-x", "ghost"], "tensor")
+    waiting = InstanceRecord.placed("/elsewhere/delta", ["held-a", "ghost"], "tensor")
     store.place_instance(waiting)
     placed.append(waiting.id)
     status, message = refused(api, model="delta")
@@ -142,4 +146,5 @@ def test_a_model_some_host_serves_whole_runs_on_its_runners_beside_an_instance(
     assert job["status"] == "succeeded" and job["instance"] is None
     assert job["runner_id"] in ("alpha@fleet-x", "alpha@fleet-y")
     cards = {card["id"]: card for card in stack.api.get("/v1/models").json()["data"]}
-    assert cards["alpha"]["hosts"] == XY and cards["alpha"]["instances"] == [instance_id]
+    hosts = ["fleet-x", "fleet-y", *HELD]  # whole, then the instance's
+    assert cards["alpha"]["hosts"] == hosts and cards["alpha"]["instances"] == [instance_id]

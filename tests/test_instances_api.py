@@ -1,10 +1,9 @@
 """The instance routes on the real API and Redis, with live heartbeats from real workers (the
 two-worker fleet, fleet-x and fleet-y, and the stack's host-a): a placement is checked before
-anything is placed (model, split, heads, hosts live) and is idempotent; a shutdown moves the
-instance as its state allows.
-
-Until the runtime runs ranks, a test moves an instance to Starting, Ready or Failed through the
-store, standing for the supervisors of its hosts."""
+anything is placed (model, split, heads, hosts live) and is idempotent; EXO_INSTANCES is placed
+by a worker at start. What a shutdown does in each status is tested on held hosts
+(tests/support/held_hosts.py), where the test moves the instance, standing for the hosts'
+supervisors (on the fleet's, the runtime moves it as soon as it is placed)."""
 
 from __future__ import annotations
 
@@ -14,12 +13,15 @@ from typing import Any
 
 import pytest
 
-from exo_tasks.instances import InstanceStatus
+from exo_tasks import instance_service
+from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.modelgen import create_model
 from exo_tasks.naming import instance_queue
 from exo_tasks.store import Store
-from tests.conftest import Stack, TwoHosts
-from tests.support.api import Api
+from tests.conftest import Stack, TwoHosts, new_worker
+from tests.support.api import Api, api_settings
+from tests.support.held_hosts import held_hosts
+from tests.support.processes import Processes
 
 XY = ["fleet-x", "fleet-y"]
 
@@ -72,12 +74,17 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
         (0, "fleet-x", f"{instance['id']}.rank0", None, "WaitingForModel", None),
         (1, "fleet-y", f"{instance['id']}.rank1", None, "WaitingForModel", None),
     ]
-    assert stack.api.get(f"/v1/instances/{instance['id']}").json() == instance
-    assert instance in stack.api.get("/v1/instances").json()
+    # Its hosts' supervisors may have moved it since (Starting, Ready): the same instance.
+    stable = ("id", "model", "model_path", "hosts", "parallel", "generation", "created_at")
+    shown = stack.api.get(f"/v1/instances/{instance['id']}").json()
+    assert {k: shown[k] for k in stable} == {k: instance[k] for k in stable}
+    assert shown["status"] in ("Pending", "Starting", "Ready")
+    listed = {i["id"]: i for i in stack.api.get("/v1/instances").json()}
+    assert listed[instance["id"]]["created_at"] == instance["created_at"]
 
     # The same placement again (the model by another path to it): the same instance.
     again = place(stack.api, placed, model=f"{gamma}/", hosts=XY)
-    assert again == instance
+    assert {k: again[k] for k in stable} == {k: instance[k] for k in stable}
 
     # The fleet view: both hosts have a rank; rank 0's host consumes the instance's queue.
     hosts = {h["name"]: h for h in stack.api.get("/v1/hosts").json()}
@@ -144,10 +151,14 @@ def test_llama_is_refused_pipeline_parallel_naming_what_it_has(
 
 
 def test_a_shutdown_moves_the_instance_as_its_state_allows(
-    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+    stack: Stack, gamma: Path, placed: list[str]
 ) -> None:
     api, store = stack.api, stack.store
-    instance = place(api, placed, model=str(gamma), hosts=XY)
+    with held_hosts(store, "held-c", "held-d") as hosts:
+        check_shutdowns(api, store, place(api, placed, model=str(gamma), hosts=hosts))
+
+
+def check_shutdowns(api: Api, store: Store, instance: dict[str, Any]) -> None:
     path = f"/v1/instances/{instance['id']}/shutdown"
     # Pending: no rank runs yet, so it is stopped at once.
     stopped = api.post(path, json={"mode": "warm"})
@@ -157,7 +168,7 @@ def test_a_shutdown_moves_the_instance_as_its_state_allows(
     assert again.status_code == 409 and "is Shutdown" in again.json()["error"]["message"]
 
     # Placed again: its next generation, Pending.
-    restarted = place(api, placed, model=str(gamma), hosts=XY)
+    restarted = place(api, [], model=instance["model_path"], hosts=instance["hosts"])
     assert restarted["status"] == "Pending" and restarted["generation"] == 2
     assert restarted["shutdown_mode"] is None
     move(store, instance["id"], InstanceStatus.STARTING, InstanceStatus.READY)
@@ -177,3 +188,37 @@ def test_a_shutdown_moves_the_instance_as_its_state_allows(
     unknown = api.post("/v1/instances/inst-nope-00000000/shutdown")
     assert unknown.status_code == 404
     assert api.get("/v1/instances/inst-nope-00000000").status_code == 404
+
+
+def test_exo_instances_are_placed_once_when_workers_start(
+    stack: Stack,
+    processes: Processes,
+    tiny_model: Path,
+    gamma: Path,
+    tmp_path: Path,
+    placed: list[str],
+) -> None:
+    spec = f"{gamma}@inst-a,inst-b;{gamma}@inst-a,inst-b:pipeline"
+    expected = InstanceRecord.placed(str(gamma), ["inst-a", "inst-b"], "tensor")
+    pipeline = InstanceRecord.placed(str(gamma), ["inst-a", "inst-b"], "pipeline")
+    placed.extend([expected.id, pipeline.id])
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "inst-a", instances=spec)
+    # Placed although inst-b has no worker yet: Pending until it has.
+    record = stack.store.get_instance(expected.id)
+    assert record is not None and record.status is InstanceStatus.PENDING and record.generation == 1
+    assert (record.model, record.hosts, record.model_path) == (
+        "gamma",
+        ["inst-a", "inst-b"],
+        str(gamma),
+    )
+    # An entry that cannot work is skipped, saying why; the worker serves the rest.
+    assert stack.store.get_instance(pipeline.id) is None
+    assert "EXO_INSTANCES entry skipped" in worker.log_text()
+    assert "has no `model.pipeline`" in worker.log_text()
+
+    # The other host's worker, with the same list, places nothing new.
+    other = api_settings(stack.redis.url, [], instances=spec)
+    again = instance_service.place_configured(stack.store, other)
+    assert [(i.id, i.generation, i.created_at) for i in again] == [
+        (record.id, 1, record.created_at)
+    ]

@@ -1,0 +1,30 @@
+"""Hosts that are live to the API (their heartbeat is in Redis, as a worker publishes it) with
+no worker behind them: an instance placed on them is moved by nothing but the test, which
+stands for their supervisors. For the tests of what the API and routing make of each of an
+instance's statuses; a host's liveness itself is tested with real workers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from exo_tasks.fleet_types import HostState
+from exo_tasks.store import Store
+from exo_tasks.types import utcnow
+
+# Longer than any test that holds them; removed at its end anyway.
+HELD_TTL_S = 300.0
+
+
+@contextlib.contextmanager
+def held_hosts(store: Store, *hosts: str) -> Iterator[list[str]]:
+    """`hosts`, beating for the block's duration."""
+    for host in hosts:
+        state = HostState(name=host, pid=os.getpid(), models=[], started_at=utcnow())
+        store.publish_host(state, HELD_TTL_S)
+    try:
+        yield list(hosts)
+    finally:
+        for host in hosts:
+            store.remove_host(host)
