@@ -38,6 +38,7 @@ from exo_tasks.instances import (
     move,
 )
 from exo_tasks.naming import find_model, instance_queue, instance_runner_id, model_slug
+from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.runner.process import RunnerSpec
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
@@ -46,9 +47,9 @@ from exo_tasks.worker.supervisor import RunnerSupervisor
 
 log = logging.getLogger("exo_tasks.ranks")
 KEEP_INTERVAL_S = 0.5
-# A rank that lost its ring peer is not the cause: this long for the rank that died (or its
-# host) to be named first, before the rank that noticed names itself.
-PEER_CAUSE_WAIT_S = 3.0
+# A rank that lost its ring peer, or stalled in a collective, may not be the cause: this long
+# for the rank that died (or its host, once its heartbeat is gone) to be named first.
+PEER_CAUSE_WAIT_S = HEARTBEAT_TTL_S / 2
 # A failed instance starts again this long after its failure at the soonest (no tight loop).
 RESTART_DELAY_S = 2.0
 EXIT_STALE = 4  # exo_tasks.runner.rank.EXIT_STALE (that module loads with the runner)
@@ -284,7 +285,7 @@ class RankKeeper:
             instance, record, {"pid": None, "status": status, "error": None if clean else cause}
         )
         if not (clean or intended) and instance.status in (STARTING, READY):
-            if exitcode == EXIT_PEER_LOST:
+            if exitcode == EXIT_PEER_LOST or handle.stall:  # a peer may be the cause
                 instance = self._await_cause(instance)
             self._fail(instance, rank_failure(spec.rank.rank, spec.host, cause))
         if spec.rank.rank == 0:

@@ -146,7 +146,8 @@ class RunnerSupervisor:
                 # no grace before SIGTERM (then SIGKILL).
                 log.error("runner is hung; stopping it", extra={"runner": runner_id, "why": stall})
                 handle.stall = stall
-                self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {stall}")
+                if handle.spec.rank is None:  # a rank's jobs fail with its instance's cause
+                    self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {stall}")
                 in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
 
     def _on_exit(self, handle: RunnerHandle) -> None:
@@ -162,8 +163,7 @@ class RunnerSupervisor:
             cause = exit_cause(process.exitcode)
             if handle.spec.rank is not None:
                 # Each start of a rank is a handle of its own: its instance decides what next.
-                if self.handles.get(handle.spec.runner_id) is handle:
-                    del self.handles[handle.spec.runner_id]
+                self.handles = {k: h for k, h in self.handles.items() if h is not handle}
                 why = f"{handle.stall}; {cause}" if handle.stall else cause
                 in_thread(self.on_rank_exit, handle, process.exitcode, why)
             elif handle.stop is not None and handle.stall is None:
