@@ -21,7 +21,17 @@ from typing import Any
 
 import psutil
 
-from bench import batch, frontdoor, overhead, prefix, report, scale, stopping, throughput
+from bench import (
+    batch,
+    frontdoor,
+    instances,
+    overhead,
+    prefix,
+    report,
+    scale,
+    stopping,
+    throughput,
+)
 from bench.config import Config
 from bench.contenders import Lab
 from bench.results import Results
@@ -36,6 +46,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "batch": batch.run,
     "frontdoor": frontdoor.run,
     "prefix": prefix.run,
+    "instances": instances.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -102,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     run["other_pytest_processes_at_end"] = other_pytests()
     report.set_targets(results)
     prefix.set_targets(results)
+    instances.set_targets(results)
     report.write_json(results, args.out / "latest.json", run)
     report.chart(results, args.out / "latest.png")
     print(report.table(results))

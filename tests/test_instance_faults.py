@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from config.settings import Settings
-from exo_tasks.instances import InstanceStatus
+from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.store import Store
 from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
@@ -109,29 +109,48 @@ def test_sigkill_of_a_rank_s_worker_fails_the_instance_until_the_host_is_back(
     pair.wait_ready(before.generation)
 
 
-def test_a_host_gone_silent_takes_the_instance_down_within_the_stall_bound(pair: Pair) -> None:
-    """Host b freezes (its worker and its rank stopped, sockets open: no end-of-stream reaches
-    rank 0): rank 0, mid-job, stalls and is stopped by its own supervisor."""
-    before = pair.wait_ready()
-    job_id = running_job(pair)
-    pids, _ = pids_and_ports(before)
-    frozen = [pair.workers["b"].pid, pids[1]]
+def freeze_host_b(pair: Pair) -> list[int]:
+    """Host b gone silent: its worker and its rank stopped, their sockets open (no end of
+    stream reaches rank 0, as when a host loses power). The pids to thaw."""
+    frozen = [pair.workers["b"].pid, pair.rank_pid(1)]
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        wait_gone(pids[0], STOP_BOUND_S + 1.0, "rank 0 stopped")
-        stopped_s = time.monotonic() - started
-        record = pair.wait_status(InstanceStatus.FAILED, HEARTBEAT_TTL_S + 5)
-        assert record.error is not None and "host b" in record.error, record.error
-        job = pair.store.get_job(job_id)
-        assert job is not None and job.status == "failed"
-        assert stopped_s < STOP_BOUND_S + 1.0
-    finally:
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
-    wait_gone(pids[1], STOP_BOUND_S, "rank 1 stopped once thawed")
+    return frozen
+
+
+def thaw(pair: Pair, frozen: list[int], before: InstanceRecord) -> None:
+    for pid in frozen:
+        os.kill(pid, signal.SIGCONT)
+    wait_gone(frozen[1], STOP_BOUND_S, "rank 1 stopped once thawed")
     pair.wait_ready(before.generation)
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["mid-job", "idle"])
+def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
+    pair: Pair, busy: bool
+) -> None:
+    """Mid-job, rank 0 stalls in a collective and its own supervisor stops it (the decode stall
+    limit + the kill escalation); idle, nothing stalls: host b's heartbeat expires, and rank 0
+    is stopped then (the heartbeat TTL + the kill escalation). Either way the instance names
+    host b, and so does the job that was running."""
+    before = pair.wait_ready()
+    job_id = running_job(pair) if busy else None
+    pids, _ = pids_and_ports(before)
+    frozen = freeze_host_b(pair)
+    try:
+        bound = STOP_BOUND_S if busy else HEARTBEAT_TTL_S + TERM_WAIT_S + KILL_WAIT_S
+        took = wait_gone(pids[0], bound, "rank 0 stopped")
+        record = pair.wait_status(InstanceStatus.FAILED, HEARTBEAT_TTL_S)
+        assert record.error == "rank 1 on host b: its host's heartbeat is gone", record.error
+        if job_id is not None:
+            job = wait_until(
+                lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 10, "job"
+            )
+            assert job.status == "failed" and job.error is not None
+            assert "rank 1 on host b: its host's heartbeat is gone" in job.error, job.error
+        assert took < bound
+    finally:
+        thaw(pair, frozen, before)
 
 
 def test_a_warm_shutdown_drains_then_stops_every_rank(pair: Pair) -> None:
