@@ -11,8 +11,6 @@ measured here for what it costs, not for a speed-up (that needs a second machine
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from pathlib import Path
 
 import psutil
@@ -21,7 +19,14 @@ import requests
 from bench import throughput
 from bench.clients import ExoClient, MlxServerClient
 from bench.config import Config
-from bench.contenders import START_TIMEOUT_S, WORKER_CONCURRENCY, Lab, _get_ok, start_exo
+from bench.contenders import (
+    START_TIMEOUT_S,
+    WORKER_CONCURRENCY,
+    Lab,
+    _get_ok,
+    start_exo,
+    start_mlx_server,
+)
 from bench.results import Op, Results, Target
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
@@ -93,26 +98,9 @@ def _start_instance(lab: Lab, model: Path, tiny: Path) -> tuple[throughput.Runni
 
 
 def _start_mlx_ring(lab: Lab, model: Path) -> tuple[throughput.Running, list[int]]:
-    """mlx_lm.server on two ranks, as its docs run it: `mlx.launch --backend ring -n 2`."""
-    processes, directory = lab.group("mlx-ring")
-    port = free_port()
-    bin_dir = Path(sys.executable).parent
-    argv = [str(bin_dir / "mlx.launch"), "--backend", "ring", "-n", "2"]
-    argv += ["--starting-port", str(free_port()), "--python", sys.executable]
-    argv += [str(bin_dir / "mlx_lm.server"), "--model", str(model)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    launcher = processes.start(argv, env, directory / "mlx.log")
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if launcher.poll() is not None:
-            raise RuntimeError(f"mlx.launch exited ({launcher.returncode}); see {directory}")
-        return _get_ok(f"{url}/health")
-
-    wait_until(healthy, START_TIMEOUT_S, "mlx_lm.server on 2 ranks", interval_s=0.2)
-    ranks = [p.pid for p in _descendants(processes) if "mlx_lm.server" in " ".join(p.cmdline())]
-    return throughput.Running(lambda: MlxServerClient(url), processes), ranks
+    server = start_mlx_server(lab, "mlx-ring", model, ranks=2)
+    ranks = [p.pid for p in _descendants(server.processes) if "mlx_lm" in " ".join(p.cmdline())]
+    return throughput.Running(lambda: MlxServerClient(server.url), server.processes), ranks
 
 
 def _descendants(processes: Processes) -> list[psutil.Process]:

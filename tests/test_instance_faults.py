@@ -11,43 +11,27 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from config.settings import Settings
 from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.recovery import HEARTBEAT_TTL_S
-from exo_tasks.store import Store
 from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
 from tests.support.instances import (
     Pair,
     listening,
     pids_and_ports,
-    running_pair,
     submit,
     wait_gone,
 )
-from tests.support.processes import RedisServer, wait_until
+from tests.support.processes import wait_until
 
 DEFAULTS = Settings(_env_file=None)
 # The bound for the ranks left behind: the decode stall limit + the kill escalation (a hung
 # rank gets no grace: SIGTERM, 5 s, SIGKILL, 5 s).
 STOP_BOUND_S = DEFAULTS.decode_timeout_s + TERM_WAIT_S + KILL_WAIT_S
 LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def pair(
-    redis_server: RedisServer,
-    store: Store,
-    chat_model: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Pair]:
-    data_dir = tmp_path_factory.mktemp("instance-faults")
-    with running_pair(redis_server.url, store, data_dir, chat_model) as pair:
-        yield pair
 
 
 def running_job(pair: Pair) -> str:

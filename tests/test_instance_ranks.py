@@ -7,19 +7,15 @@ and leaves its batch's other texts as they were; on the `bench` preset each rank
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from exo_tasks.modelgen import create_model
 from exo_tasks.naming import instance_runner_id
-from exo_tasks.store import Store
 from tests.support import sse
 from tests.support.clients import CHAT, client_for
-from tests.support.instances import Pair, place, running_pair, submit
-from tests.support.processes import RedisServer, wait_until
+from tests.support.instances import Pair, place, submit
+from tests.support.processes import wait_until
 
 BATCH: list[dict[str, Any]] = [
     {"prompt": "Hello there", "max_tokens": 40},
@@ -35,18 +31,6 @@ BATCH: list[dict[str, Any]] = [
     },
     {"messages": CHAT, "max_tokens": 24, "temperature": 0.7, "seed": 3},
 ]
-
-
-@pytest.fixture(scope="module")
-def pair(
-    redis_server: RedisServer,
-    store: Store,
-    chat_model: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Pair]:
-    data_dir = tmp_path_factory.mktemp("instance-ranks")
-    with running_pair(redis_server.url, store, data_dir, chat_model) as pair:
-        yield pair
 
 
 def outcome(job: dict[str, Any]) -> tuple[Any, ...]:

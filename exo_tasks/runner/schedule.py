@@ -31,8 +31,7 @@ from pydantic import BaseModel, Field
 
 from exo_tasks.runner.engine import BatchEngine
 from exo_tasks.runner.lane import TokenDelta
-from exo_tasks.types import ChatMessage, SamplingParams
-from exo_tasks.wire import Tool
+from exo_tasks.types import SamplingParams
 
 log = logging.getLogger("exo_tasks.runner.schedule")
 
@@ -118,14 +117,8 @@ class LeaderEngine:
     prefill_chunks = property(lambda self: self.engine.prefill_chunks)
     tool_calling = property(lambda self: self.engine.tool_calling)
     prompt_cache_bytes = property(lambda self: self.engine.prompt_cache_bytes)
-
-    def encode(
-        self,
-        prompt: str | None,
-        messages: list[ChatMessage] | None,
-        tools: list[Tool] | None = None,
-    ) -> list[int]:
-        return self.engine.encode(prompt, messages, tools)
+    weights_bytes = property(lambda self: self.engine.weights_bytes)
+    encode = property(lambda self: self.engine.encode)  # rank 0 alone tokenizes
 
     def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:
         if params.temperature > 0 and params.seed is None:
@@ -138,10 +131,6 @@ class LeaderEngine:
     def remove(self, job_id: str) -> None:
         self.engine.remove(job_id)
         self._ops.append(RemoveJob(job_id=job_id))
-
-    @property
-    def weights_bytes(self) -> int:
-        return self.engine.weights_bytes
 
     def step(self) -> list[TokenDelta]:
         self._send("step")
