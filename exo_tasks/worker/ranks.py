@@ -6,10 +6,10 @@ rank follow: started for the instance's current generation, stopped when the ins
 fails, or moves to another generation. Rank runners are the supervisor's runners (the same
 process, statuses, stall watchdog and escalation); the keeper is told when one exits.
 
-The instance's moves are shared out so that one host makes each: the rank-0 host starts it
-(Pending → Starting, once all its hosts are live), declares it Ready (every rank serving),
-finishes a shutdown and restarts a failed one; any host fails it (its own rank died, or another
-rank's host lost its heartbeat), compare-and-set, the first cause winning. The rank-0 host also
+The instance's moves are shared out: the rank-0 host starts it (Pending → Starting, once all
+its hosts are live), declares it Ready (every rank serving) and restarts a failed one; any of
+its hosts fails it (its own rank died, or another rank's host lost its heartbeat) or finishes a
+shutdown (no rank runs), each move a compare-and-set, the first cause winning. The rank-0 host also
 consumes the instance's queue while its rank 0 serves, and fails the jobs rank 0 held with the
 instance's cause.
 """
@@ -158,12 +158,13 @@ class RankKeeper:
 
     def _shut_down(self, instance: InstanceRecord, rank: int, handle: RunnerHandle | None) -> None:
         """Warm: rank 0 drains, then closes the ring, which releases the other ranks; hard (or
-        past the grace): every rank is stopped at once. Rank 0's host finishes the move once no
-        rank runs: Shutdown, or Failed when a leaving host caused it (restarted once back)."""
+        past the grace): every rank is stopped at once. Any of its hosts finishes the move once
+        no rank runs (rank 0's may be the one leaving): Shutdown, or Failed when a leaving host
+        caused it (started again once that host is back)."""
         if handle is not None:
             how: StopHow = "hard" if instance.shutdown_mode == "hard" else "warm"
             self._stop(handle.spec.runner_id, how, requeue=instance.error is not None)
-        elif rank == 0 and all(r.status in FINAL for r in instance.ranks):
+        elif all(r.status in FINAL for r in instance.ranks):
             to = FAILED if instance.error else SHUTDOWN
             self.store.transition_instance(
                 instance.id, to, error=instance.error, generation=instance.generation
