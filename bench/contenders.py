@@ -118,7 +118,7 @@ def start_mlx_server(lab: Lab, name: str, model_dir: Path, ranks: int = 1) -> Ml
     if ranks > 1:
         bin_dir = Path(sys.executable).parent
         argv = [str(bin_dir / "mlx.launch"), "--backend", "ring", "-n", str(ranks)]
-        argv += ["--starting-port", str(free_port()), "--python", sys.executable]
+        argv += ["--starting-port", str(free_port()), "--python", sys.executable, "--"]
         argv += [str(bin_dir / "mlx_lm.server"), "--model", str(model_dir)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -14,8 +14,9 @@ from exo_tasks.modelgen import create_model
 from exo_tasks.naming import instance_runner_id
 from tests.support import sse
 from tests.support.clients import CHAT, client_for
-from tests.support.instances import Pair, place, submit
+from tests.support.instances import START_TIMEOUT_S, Pair, place, submit
 from tests.support.processes import wait_until
+from tests.support.toolmodel import CALL, create_tool_model
 
 BATCH: list[dict[str, Any]] = [
     {"prompt": "Hello there", "max_tokens": 40},
@@ -131,3 +132,32 @@ def test_a_job_s_time_limit_and_keep_alive_on_an_instance(pair: Pair) -> None:
     after = pair.instance()
     assert after.status == "Ready" and after.generation == before.generation
     assert [r.pid for r in after.ranks] == [r.pid for r in before.ranks]
+
+
+def test_a_tool_call_on_an_instance(pair: Pair, tmp_path: Path) -> None:
+    """The tool model (tests/support/toolmodel.py) split over a and b: its call comes out of
+    its text as on any runner, in the job and in the OpenAI answer."""
+    model = create_tool_model(tmp_path / "tools")
+    instance_id = place(pair.api, model)
+    wait_until(
+        lambda: (r := pair.store.get_instance(instance_id)) and r.status == "Ready",
+        START_TIMEOUT_S,
+        "the tool model's instance Ready",
+        0.5,
+    )
+    spec = {"type": "function", "function": {"name": CALL["name"], "parameters": {}}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    try:
+        with client_for(pair.api) as client:
+            answer = client.chat.completions.create(model="tools", messages=ask, tools=[spec])  # type: ignore[arg-type,list-item]
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls or []
+        assert (call.function.name, call.function.arguments) == (CALL["name"], '{"city": "Paris"}')  # type: ignore[union-attr]
+    finally:
+        pair.api.post(f"/v1/instances/{instance_id}/shutdown", json={"mode": "hard"})
+        wait_until(
+            lambda: (r := pair.store.get_instance(instance_id)) and r.status == "Shutdown",
+            30,
+            "the tool model's instance stopped",
+        )
