@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from exo_tasks.modelgen import create_model
 from exo_tasks.naming import instance_runner_id
 from tests.support import sse
@@ -123,15 +125,19 @@ def test_a_job_s_time_limit_and_keep_alive_on_an_instance(pair: Pair) -> None:
     job asking for keep_alive 0 does not unload a rank (one rank alone cannot leave)."""
     before = pair.instance()
     timed = submit(pair, prompt="slow", max_tokens=4000, ignore_eos=True, timeout_s=3)
-    brief = submit(pair, prompt="brief", max_tokens=8, keep_alive=0)
-    assert pair.api.wait_job(brief)["status"] == "succeeded"
     job = pair.api.wait_job(timed, 30)
     assert job["status"] == "timed_out" and job["output"]["finish_reason"] == "time_limit"
     assert job["output"]["text"]
+    # The last job to end decides when an idle runner unloads: this one says at once.
+    brief = submit(pair, prompt="brief", max_tokens=8, keep_alive=0)
+    assert pair.api.wait_job(brief)["status"] == "succeeded"
     time.sleep(2)  # longer than keep_alive 0 takes to unload a whole runner
+    rank0 = pair.store.get_runner(instance_runner_id(pair.instance_id, 0))
+    assert rank0 is not None and rank0.status == "Ready", rank0
     after = pair.instance()
     assert after.status == "Ready" and after.generation == before.generation
     assert [r.pid for r in after.ranks] == [r.pid for r in before.ranks]
+    assert all(psutil.pid_exists(r.pid) for r in after.ranks if r.pid)
 
 
 def test_a_tool_call_on_an_instance(pair: Pair, tmp_path: Path) -> None:
