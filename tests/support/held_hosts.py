@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 
 from exo_tasks.fleet_types import HostState
+from exo_tasks.instances import InstanceStatus
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 
@@ -28,3 +29,11 @@ def held_hosts(store: Store, *hosts: str) -> Iterator[list[str]]:
     finally:
         for host in hosts:
             store.remove_host(host)
+
+
+def move_instance(
+    store: Store, instance_id: str, *statuses: InstanceStatus, error: str | None = None
+) -> None:
+    """The instance moved through `statuses` as its hosts' supervisors would move it."""
+    for status in statuses:
+        assert store.transition_instance(instance_id, status, error=error), status
