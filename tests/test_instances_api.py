@@ -73,6 +73,7 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
     ("body", "status", "field", "words"),
     [
         ({"model": "no-such-model", "hosts": XY}, 404, "model", "unknown model 'no-such-model'"),
+        ({"model": "org/no hub id", "hosts": XY}, 404, "model", "unknown model 'org/no hub id'"),
         ({"hosts": ["fleet-x", "ghost"]}, 404, "hosts", "no live worker on host 'ghost'"),
         ({"hosts": ["fleet-x", "fleet-x"]}, 422, "hosts", "'fleet-x' is listed twice"),
         ({"hosts": ["fleet-x"]}, 422, "hosts", "at least 2"),
@@ -84,6 +85,7 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
     ],
     ids=[
         "unknown-model",
+        "invalid-hub-id",
         "dead-host",
         "duplicate-hosts",
         "one-host",
