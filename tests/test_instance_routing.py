@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.instances import InstanceRecord, InstanceStatus
-from exo_tasks.naming import instance_queue
-from exo_tasks.store import Store, job_key
+from exo_tasks.naming import instance_queue, model_queue, runner_id_for
+from exo_tasks.store import Store, job_key, runner_key
+from exo_tasks.store.keys import RUNNERS
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api
 from tests.support.held_hosts import held_hosts, move_instance
@@ -25,6 +27,7 @@ from tests.support.held_hosts import held_hosts, move_instance
 HELD = ("held-a", "held-b")
 JOB = {"prompt": "hi", "max_tokens": 4}
 STARTING, READY = InstanceStatus.STARTING, InstanceStatus.READY
+READY_RUNNER = RunnerStatus.READY
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +133,29 @@ def test_a_model_some_host_serves_whole_runs_on_its_runners_beside_an_instance(
     cards = {card["id"]: card for card in stack.api.get("/v1/models").json()["data"]}
     hosts = ["fleet-x", "fleet-y", *HELD]  # whole, then the instance's
     assert cards["alpha"]["hosts"] == hosts and cards["alpha"]["instances"] == [instance_id]
+
+
+def test_a_model_whose_whole_runners_are_all_down_goes_to_its_instance(
+    stack: Stack, placed: list[str]
+) -> None:
+    api, store = stack.api, stack.store
+    instance = InstanceRecord.placed("/elsewhere/omega", list(HELD), "tensor")
+    store.place_instance(instance)
+    placed.append(instance.id)
+    move_instance(store, instance.id, STARTING, READY)
+    # A held host serving omega whole, its runner Ready (published as a supervisor does).
+    whole = RunnerState(
+        id=runner_id_for("omega", "held-w"), host="held-w", model="omega", status=READY_RUNNER
+    )
+    with held_hosts(store, "held-w", models=["omega"]):
+        store.publish_runner(whole)
+        try:
+            job = queued_job(api, model="omega")
+            assert job["instance"] is None
+            assert store.redis.hget(job_key(job["id"]), "queue") == model_queue("omega")
+            # Stopped for good: the instance takes the model's jobs.
+            store.publish_runner(whole.model_copy(update={"status": RunnerStatus.SHUTDOWN}))
+            assert queued_job(api, model="omega")["instance"] == instance.id
+        finally:
+            store.redis.srem(RUNNERS, whole.id)
+            store.redis.delete(runner_key(whole.id), runner_key(whole.id, "history"))
