@@ -2,10 +2,10 @@
 instances placed across them. It decides which queue a job may go to, and refuses jobs that no
 live runner could ever take.
 
-A model served whole by some live host goes to its runners; only a model that no live host
-serves whole goes to an instance (exo_tasks.instances), the Ready one first: a whole runner
-runs a job with no exchange between hosts at every step, and an instance exists for the model
-that fits no single host."""
+A model that some live host serves whole, with a runner up or starting, goes to its runners;
+any other model goes to an instance of it (exo_tasks.instances), the Ready one first: a whole
+runner runs a job with no exchange between hosts at every step, and an instance exists for the
+model that fits no single host."""
 
 from __future__ import annotations
 
@@ -63,7 +63,12 @@ class Fleet:
         return [r for r in self.live_runners() if instance_of_runner(r.id) is None]
 
     def serves_whole(self, model: str) -> bool:
-        return any(model in host.models for host in self.hosts.values())
+        """Whether a live host serves `model` whole with a runner that is up or starting (not
+        stopped or failed for good)."""
+        return any(
+            self.serves(host, model) and not is_down(self.runners.get(runner_id_for(model, host)))
+            for host in self.hosts
+        )
 
     def dead_hosts(self, instance: InstanceRecord) -> list[str]:
         return [host for host in instance.hosts if host not in self.hosts]
@@ -83,8 +88,8 @@ class Fleet:
 
     def instance_for(self, model: str, host: str | None) -> InstanceRecord | None:
         """The instance a job for `model` (pinned to `host` or not) goes to: None where a live
-        host serves the model whole or no instance holds it; 404 when pinned to a host that is
-        none of its instances'; 503 naming why when none of them can take it."""
+        host serves the model whole (serves_whole) or no instance holds it; 404 when pinned to
+        a host that is none of its instances'; 503 naming why when none of them can take it."""
         if self.serves_whole(model):
             return None
         placed = [

@@ -59,7 +59,10 @@ def _hub_config(candidate: str) -> Path | None:
         return None
     from huggingface_hub import try_to_load_from_cache  # 0.8 s to import: only for hub ids
 
-    found = try_to_load_from_cache(candidate, CONFIG)
+    try:
+        found = try_to_load_from_cache(candidate, CONFIG)
+    except ValueError:  # no valid hub id (HFValidationError): no model of that name
+        return None
     return Path(found) if isinstance(found, str) else None
 
 

@@ -15,33 +15,25 @@ from typing import Any
 
 import pytest
 
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.instances import InstanceRecord, InstanceStatus
-from exo_tasks.modelgen import create_model
-from exo_tasks.naming import instance_queue
-from exo_tasks.store import Store, job_key
+from exo_tasks.naming import instance_queue, model_queue, runner_id_for
+from exo_tasks.store import Store, job_key, runner_key
+from exo_tasks.store.keys import RUNNERS
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api
-from tests.support.held_hosts import held_hosts
+from tests.support.held_hosts import held_hosts, move_instance
 
 HELD = ("held-a", "held-b")
 JOB = {"prompt": "hi", "max_tokens": 4}
 STARTING, READY = InstanceStatus.STARTING, InstanceStatus.READY
+READY_RUNNER = RunnerStatus.READY
 
 
-@pytest.fixture(scope="module")
-def gamma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model no host serves whole."""
-    return create_model("tiny", tmp_path_factory.mktemp("routing-models") / "gamma")
-
-
-@pytest.fixture
-def placed(stack: Stack) -> Iterator[list[str]]:
-    """The ids of the instances a test placed (on the held hosts, live meanwhile)."""
-    ids: list[str] = []
-    with held_hosts(stack.store, *HELD):
-        yield ids
-    for instance_id in ids:
-        stack.store.remove_instance(instance_id)
+@pytest.fixture(autouse=True)
+def held(store: Store) -> Iterator[None]:
+    with held_hosts(store, *HELD):
+        yield
 
 
 def place(api: Api, placed: list[str], model: str) -> str:
@@ -50,13 +42,6 @@ def place(api: Api, placed: list[str], model: str) -> str:
     instance_id: str = response.json()["id"]
     placed.append(instance_id)
     return instance_id
-
-
-def move(
-    store: Store, instance_id: str, *statuses: InstanceStatus, error: str | None = None
-) -> None:
-    for status in statuses:
-        assert store.transition_instance(instance_id, status, error=error), status
 
 
 def queued_job(api: Api, **body: Any) -> dict[str, Any]:
@@ -75,10 +60,10 @@ def refused(api: Api, **body: Any) -> tuple[int, str]:
 
 
 def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
-    stack: Stack, gamma: Path, placed: list[str]
+    stack: Stack, gamma_model: Path, placed: list[str]
 ) -> None:
     api, store = stack.api, stack.store
-    instance_id = place(api, placed, str(gamma))
+    instance_id = place(api, placed, str(gamma_model))
     cards = {card["id"]: card for card in api.get("/v1/models").json()["data"]}
     assert cards["gamma"]["hosts"] == list(HELD) and cards["gamma"]["instances"] == [instance_id]
     assert api.get("/v1/models/gamma").status_code == 200
@@ -96,21 +81,21 @@ def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
 
     # Ready once its supervisors say so: then /readyz counts it.
     assert instance_id not in api.get("/readyz").json()["ready_instances"]
-    move(store, instance_id, STARTING)
+    move_instance(store, instance_id, STARTING)
     assert instance_id not in api.get("/readyz").json()["ready_instances"]
-    move(store, instance_id, READY)
+    move_instance(store, instance_id, READY)
     ready = api.get("/readyz")
     assert ready.status_code == 200 and instance_id in ready.json()["ready_instances"]
     assert not any(r.startswith("inst-") for r in ready.json()["ready_runners"])
 
 
 def test_jobs_an_instance_cannot_take_are_503_naming_why(
-    stack: Stack, gamma: Path, placed: list[str]
+    stack: Stack, gamma_model: Path, placed: list[str]
 ) -> None:
     api, store = stack.api, stack.store
-    instance_id = place(api, placed, str(gamma))
+    instance_id = place(api, placed, str(gamma_model))
     cause = "rank 1 on host held-b: Terminated (signal 9 SIGKILL)"
-    move(store, instance_id, STARTING, InstanceStatus.FAILED, error=cause)
+    move_instance(store, instance_id, STARTING, InstanceStatus.FAILED, error=cause)
     status, message = refused(api, model="gamma")
     assert status == 503
     assert message == (
@@ -120,9 +105,9 @@ def test_jobs_an_instance_cannot_take_are_503_naming_why(
     assert "gamma" not in {card["id"] for card in api.get("/v1/models").json()["data"]}
 
     # Placed again: Pending on live hosts, it takes jobs (they wait for its ranks).
-    place(api, placed, str(gamma))
+    place(api, placed, str(gamma_model))
     assert queued_job(api, model="gamma")["instance"] == instance_id
-    move(store, instance_id, STARTING, READY)
+    move_instance(store, instance_id, STARTING, READY)
     assert api.post(f"/v1/instances/{instance_id}/shutdown").status_code == 202
     status, message = refused(api, model="gamma")
     assert status == 503 and message.endswith(f"{instance_id} is ShuttingDown")
@@ -141,10 +126,36 @@ def test_a_model_some_host_serves_whole_runs_on_its_runners_beside_an_instance(
 ) -> None:
     alpha = fleet.x.env["EXO_MODELS"]
     instance_id = place(stack.api, placed, alpha)
-    move(stack.store, instance_id, STARTING, READY)
+    move_instance(stack.store, instance_id, STARTING, READY)
     job = stack.api.wait_job(stack.api.submit(model="alpha", **JOB))
     assert job["status"] == "succeeded" and job["instance"] is None
     assert job["runner_id"] in ("alpha@fleet-x", "alpha@fleet-y")
     cards = {card["id"]: card for card in stack.api.get("/v1/models").json()["data"]}
     hosts = ["fleet-x", "fleet-y", *HELD]  # whole, then the instance's
     assert cards["alpha"]["hosts"] == hosts and cards["alpha"]["instances"] == [instance_id]
+
+
+def test_a_model_whose_whole_runners_are_all_down_goes_to_its_instance(
+    stack: Stack, placed: list[str]
+) -> None:
+    api, store = stack.api, stack.store
+    instance = InstanceRecord.placed("/elsewhere/omega", list(HELD), "tensor")
+    store.place_instance(instance)
+    placed.append(instance.id)
+    move_instance(store, instance.id, STARTING, READY)
+    # A held host serving omega whole, its runner Ready (published as a supervisor does).
+    whole = RunnerState(
+        id=runner_id_for("omega", "held-w"), host="held-w", model="omega", status=READY_RUNNER
+    )
+    with held_hosts(store, "held-w", models=["omega"]):
+        store.publish_runner(whole)
+        try:
+            job = queued_job(api, model="omega")
+            assert job["instance"] is None
+            assert store.redis.hget(job_key(job["id"]), "queue") == model_queue("omega")
+            # Stopped for good: the instance takes the model's jobs.
+            store.publish_runner(whole.model_copy(update={"status": RunnerStatus.SHUTDOWN}))
+            assert queued_job(api, model="omega")["instance"] == instance.id
+        finally:
+            store.redis.srem(RUNNERS, whole.id)
+            store.redis.delete(runner_key(whole.id), runner_key(whole.id, "history"))

@@ -7,7 +7,6 @@ supervisors (on the fleet's, the runtime moves it as soon as it is placed)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,30 +14,14 @@ import pytest
 
 from exo_tasks import instance_service
 from exo_tasks.instances import InstanceRecord, InstanceStatus
-from exo_tasks.modelgen import create_model
 from exo_tasks.naming import instance_queue
 from exo_tasks.store import Store
 from tests.conftest import Stack, TwoHosts, new_worker
 from tests.support.api import Api, api_settings
-from tests.support.held_hosts import held_hosts
+from tests.support.held_hosts import held_hosts, move_instance
 from tests.support.processes import Processes
 
 XY = ["fleet-x", "fleet-y"]
-
-
-@pytest.fixture(scope="module")
-def gamma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model no host serves whole (the tiny preset: 4 attention heads, 2 key/value heads)."""
-    return create_model("tiny", tmp_path_factory.mktemp("instance-models") / "gamma")
-
-
-@pytest.fixture
-def placed(stack: Stack) -> Iterator[list[str]]:
-    """The ids of the instances a test placed, removed at its end."""
-    ids: list[str] = []
-    yield ids
-    for instance_id in ids:
-        stack.store.remove_instance(instance_id)
 
 
 def place(api: Api, placed: list[str], **body: Any) -> dict[str, Any]:
@@ -49,21 +32,13 @@ def place(api: Api, placed: list[str], **body: Any) -> dict[str, Any]:
     return instance
 
 
-def move(
-    store: Store, instance_id: str, *statuses: InstanceStatus, error: str | None = None
-) -> None:
-    """The instance moved as its hosts' supervisors would move it."""
-    for status in statuses:
-        assert store.transition_instance(instance_id, status, error=error), status
-
-
 def test_an_instance_is_placed_once_and_shows_each_rank(
-    stack: Stack, fleet: TwoHosts, gamma: Path, placed: list[str]
+    stack: Stack, fleet: TwoHosts, gamma_model: Path, placed: list[str]
 ) -> None:
-    instance = place(stack.api, placed, model=str(gamma), hosts=XY)
+    instance = place(stack.api, placed, model=str(gamma_model), hosts=XY)
     assert instance["id"].startswith("inst-gamma-")
     assert instance["status"] == "Pending" and instance["error"] is None
-    assert instance["model"] == "gamma" and instance["model_path"] == str(gamma)
+    assert instance["model"] == "gamma" and instance["model_path"] == str(gamma_model)
     assert instance["hosts"] == XY and instance["parallel"] == "tensor"
     assert instance["generation"] == 1 and instance["shutdown_mode"] is None
     ranks = [
@@ -83,7 +58,7 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
     assert listed[instance["id"]]["created_at"] == instance["created_at"]
 
     # The same placement again (the model by another path to it): the same instance.
-    again = place(stack.api, placed, model=f"{gamma}/", hosts=XY)
+    again = place(stack.api, placed, model=f"{gamma_model}/", hosts=XY)
     assert {k: again[k] for k in stable} == {k: instance[k] for k in stable}
 
     # The fleet view: both hosts have a rank; rank 0's host consumes the instance's queue.
@@ -98,6 +73,7 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
     ("body", "status", "field", "words"),
     [
         ({"model": "no-such-model", "hosts": XY}, 404, "model", "unknown model 'no-such-model'"),
+        ({"model": "org/no hub id", "hosts": XY}, 404, "model", "unknown model 'org/no hub id'"),
         ({"hosts": ["fleet-x", "ghost"]}, 404, "hosts", "no live worker on host 'ghost'"),
         ({"hosts": ["fleet-x", "fleet-x"]}, 422, "hosts", "'fleet-x' is listed twice"),
         ({"hosts": ["fleet-x"]}, 422, "hosts", "at least 2"),
@@ -109,6 +85,7 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
     ],
     ids=[
         "unknown-model",
+        "invalid-hub-id",
         "dead-host",
         "duplicate-hosts",
         "one-host",
@@ -121,14 +98,14 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
 def test_a_placement_that_cannot_work_is_refused_naming_why(
     stack: Stack,
     fleet: TwoHosts,
-    gamma: Path,
+    gamma_model: Path,
     body: dict[str, Any],
     status: int,
     field: str,
     words: str,
 ) -> None:
     before = stack.api.get("/v1/instances").json()
-    response = stack.api.post("/v1/instances", json={"model": str(gamma), **body})
+    response = stack.api.post("/v1/instances", json={"model": str(gamma_model), **body})
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert words in error["message"], error
@@ -139,23 +116,23 @@ def test_a_placement_that_cannot_work_is_refused_naming_why(
 
 
 def test_llama_is_refused_pipeline_parallel_naming_what_it_has(
-    stack: Stack, fleet: TwoHosts, gamma: Path
+    stack: Stack, fleet: TwoHosts, gamma_model: Path
 ) -> None:
     response = stack.api.post(
-        "/v1/instances", json={"model": str(gamma), "hosts": XY, "parallel": "pipeline"}
+        "/v1/instances", json={"model": str(gamma_model), "hosts": XY, "parallel": "pipeline"}
     )
     assert response.json()["error"]["message"] == (
-        f"model '{gamma}' cannot be split pipeline-parallel: mlx-lm's llama model has no "
+        f"model '{gamma_model}' cannot be split pipeline-parallel: mlx-lm's llama model has no "
         "`model.pipeline` (it has tensor)"
     )
 
 
 def test_a_shutdown_moves_the_instance_as_its_state_allows(
-    stack: Stack, gamma: Path, placed: list[str]
+    stack: Stack, gamma_model: Path, placed: list[str]
 ) -> None:
     api, store = stack.api, stack.store
     with held_hosts(store, "held-c", "held-d") as hosts:
-        check_shutdowns(api, store, place(api, placed, model=str(gamma), hosts=hosts))
+        check_shutdowns(api, store, place(api, placed, model=str(gamma_model), hosts=hosts))
 
 
 def check_shutdowns(api: Api, store: Store, instance: dict[str, Any]) -> None:
@@ -171,7 +148,7 @@ def check_shutdowns(api: Api, store: Store, instance: dict[str, Any]) -> None:
     restarted = place(api, [], model=instance["model_path"], hosts=instance["hosts"])
     assert restarted["status"] == "Pending" and restarted["generation"] == 2
     assert restarted["shutdown_mode"] is None
-    move(store, instance["id"], InstanceStatus.STARTING, InstanceStatus.READY)
+    move_instance(store, instance["id"], InstanceStatus.STARTING, InstanceStatus.READY)
     warm = api.post(path)  # no body: warm
     assert warm.status_code == 202
     assert warm.json()["status"] == "ShuttingDown" and warm.json()["shutdown_mode"] == "warm"
@@ -194,13 +171,13 @@ def test_exo_instances_are_placed_once_when_workers_start(
     stack: Stack,
     processes: Processes,
     tiny_model: Path,
-    gamma: Path,
+    gamma_model: Path,
     tmp_path: Path,
     placed: list[str],
 ) -> None:
-    spec = f"{gamma}@inst-a,inst-b;{gamma}@inst-a,inst-b:pipeline"
-    expected = InstanceRecord.placed(str(gamma), ["inst-a", "inst-b"], "tensor")
-    pipeline = InstanceRecord.placed(str(gamma), ["inst-a", "inst-b"], "pipeline")
+    spec = f"{gamma_model}@inst-a,inst-b;{gamma_model}@inst-a,inst-b:pipeline"
+    expected = InstanceRecord.placed(str(gamma_model), ["inst-a", "inst-b"], "tensor")
+    pipeline = InstanceRecord.placed(str(gamma_model), ["inst-a", "inst-b"], "pipeline")
     placed.extend([expected.id, pipeline.id])
     worker = new_worker(stack, processes, tiny_model, tmp_path, "inst-a", instances=spec)
     # Placed although inst-b has no worker yet: Pending until it has.
@@ -209,7 +186,7 @@ def test_exo_instances_are_placed_once_when_workers_start(
     assert (record.model, record.hosts, record.model_path) == (
         "gamma",
         ["inst-a", "inst-b"],
-        str(gamma),
+        str(gamma_model),
     )
     # An entry that cannot work is skipped, saying why; the worker serves the rest.
     assert stack.store.get_instance(pipeline.id) is None

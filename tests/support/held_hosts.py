@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from exo_tasks.fleet_types import HostState
+from exo_tasks.instances import InstanceStatus
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 
@@ -18,13 +19,21 @@ HELD_TTL_S = 300.0
 
 
 @contextlib.contextmanager
-def held_hosts(store: Store, *hosts: str) -> Iterator[list[str]]:
-    """`hosts`, beating for the block's duration."""
+def held_hosts(store: Store, *hosts: str, models: Sequence[str] = ()) -> Iterator[list[str]]:
+    """`hosts`, beating for the block's duration, each announcing it serves `models` whole."""
     for host in hosts:
-        state = HostState(name=host, pid=os.getpid(), models=[], started_at=utcnow())
+        state = HostState(name=host, pid=os.getpid(), models=list(models), started_at=utcnow())
         store.publish_host(state, HELD_TTL_S)
     try:
         yield list(hosts)
     finally:
         for host in hosts:
             store.remove_host(host)
+
+
+def move_instance(
+    store: Store, instance_id: str, *statuses: InstanceStatus, error: str | None = None
+) -> None:
+    """The instance moved through `statuses` as its hosts' supervisors would move it."""
+    for status in statuses:
+        assert store.transition_instance(instance_id, status, error=error), status
