@@ -51,6 +51,11 @@ class RankSpec(BaseModel):
     address: str  # EXO_RING_ADDRESS
 
 
+def rank_failure(rank: int, host: str, cause: str) -> str:
+    """Why an instance failed, as its `error` says it: the rank, its host and the cause."""
+    return f"rank {rank} on host {host}: {cause}"
+
+
 class RunnerSpec(BaseModel):
     """Everything a runner process needs, handed over by the supervisor at spawn."""
 

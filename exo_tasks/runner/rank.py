@@ -20,10 +20,10 @@ from exo_tasks.runner.process import (
     RunnerProgress,
     RunnerSpec,
     check_model_path,
+    rank_failure,
 )
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
-from exo_tasks.worker.supervision import rank_failure
 
 log = logging.getLogger("exo_tasks.runner")
 ADDRESS_POLL_S = 0.2

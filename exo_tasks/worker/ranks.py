@@ -39,10 +39,10 @@ from exo_tasks.instances import (
 )
 from exo_tasks.naming import find_model, instance_queue, instance_runner_id, model_slug
 from exo_tasks.recovery import HEARTBEAT_TTL_S
-from exo_tasks.runner.process import RunnerSpec
+from exo_tasks.runner.process import RunnerSpec, rank_failure
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
-from exo_tasks.worker.supervision import RunnerHandle, exit_cause, in_thread, rank_failure
+from exo_tasks.worker.supervision import RunnerHandle, exit_cause, in_thread
 from exo_tasks.worker.supervisor import RunnerSupervisor
 
 log = logging.getLogger("exo_tasks.ranks")

@@ -37,11 +37,6 @@ def exit_cause(exitcode: int | None) -> str:
     return f"exitcode={exitcode}"
 
 
-def rank_failure(rank: int, host: str, cause: str) -> str:
-    """Why an instance failed, as its `error` says it: the rank, its host and the cause."""
-    return f"rank {rank} on host {host}: {cause}"
-
-
 def in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
     """Run `target(*args)` in a daemon thread of its own, started."""
     thread = threading.Thread(target=target, args=args, daemon=True)
