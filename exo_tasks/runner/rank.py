@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.instances import FAILED, STARTING
@@ -24,6 +24,9 @@ from exo_tasks.runner.process import (
 )
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
+
+if TYPE_CHECKING:  # it imports MLX: loaded only once a rank builds its engine
+    from exo_tasks.runner.engine import BatchEngine
 
 log = logging.getLogger("exo_tasks.runner")
 ADDRESS_POLL_S = 0.2
@@ -81,7 +84,7 @@ def load_shard(spec: RunnerSpec, group: Any) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def build_engine(spec: RunnerSpec, model: Any, tokenizer: Any) -> Any:
+def build_engine(spec: RunnerSpec, model: Any, tokenizer: Any) -> BatchEngine:
     """The rank's batching engine: one lane, so every rank runs its batch operations in one
     fixed order (the lanes of a single-host engine step on threads of their own)."""
     from exo_tasks.runner.engine import BatchEngine
