@@ -106,6 +106,11 @@ def running_pair(redis_url: str, store: Store, data_dir: Path, model: Path) -> I
             yield pair
     finally:
         processes.stop_all()
+        # The same placement in a later module is the same instance id: it must start anew,
+        # not be found Ready with this pair's dead ranks.
+        for record in store.list_instances():
+            if record.hosts[0] in HOSTS:
+                store.remove_instance(record.id)
 
 
 def place(api: Api, model: Path, hosts: tuple[str, ...] = HOSTS) -> str:
