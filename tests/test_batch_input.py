@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from exo_tasks import json_input
 from exo_tasks.batch_input import check, read_line
 from exo_tasks.batch_types import window_seconds
+from exo_tasks.errors import BadRequest, InvalidRequest
 
 URL = "/v1/chat/completions"
 
@@ -22,7 +24,50 @@ def test_spans_point_at_each_request_and_skip_blank_lines() -> None:
     content = line("a") + b"\n\n" + line("b", note="ü") + b"\n"
     checked = check(content, URL, max_lines=10)
     assert not checked.errors
-    assert [read_line(content[a:b].decode()).custom_id for a, b in checked.spans] == ["a", "b"]
+    assert [read_line(content[a:b].decode(), 0).custom_id for a, b in checked.spans] == ["a", "b"]
+
+
+def nested(depth: int) -> object:
+    value: object = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_every_line_the_check_takes_the_feeder_reads() -> None:
+    """The check read with Python's json, the feeder with pydantic's parser: a lone surrogate,
+    a byte order mark or 300 levels of nesting passed the one and failed the other, every
+    tick, for every batch. Now both read with one parser; what the body holds that no endpoint
+    takes is its line's error (the endpoint's own answer), found when the line is sent."""
+    surrogate = b'{"custom_id": "s", "method": "POST", "url": "%s", ' % URL.encode()
+    surrogate += b'"body": {"messages": [{"role": "user", "content": "\\ud800"}]}}'
+    deep = line("deep", body={"x": nested(300)})
+    content = "\ufeff".encode() + line("bom") + b"\n" + surrogate + b"\n" + deep + b"\n"
+    checked = check(content, URL, max_lines=10)
+    assert not checked.errors
+    read = [read_line(content[a:b].decode(), n) for n, (a, b) in enumerate(checked.spans)]
+    assert [r.custom_id for r in read] == ["bom", "s", "deep"]
+    with pytest.raises(InvalidRequest) as refused:
+        json_input.check(read[1].body)
+    assert refused.value.details == {"field": "messages.0.content"}
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        json_input.check(read[2].body)
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ("\ufeff".encode() + line("bom-mid-file"), "invalid_json_line"),
+        (
+            line("deep", body={"x": []}).replace(b"[]", b"[" * 5_000 + b"]" * 5_000),
+            "invalid_json_line",
+        ),
+        (line("\ud800"), "invalid_custom_id"),
+    ],
+)
+def test_what_no_step_can_read_fails_the_file_at_the_check(raw: bytes, code: str) -> None:
+    checked = check(line("first") + b"\n" + raw + b"\n", URL, max_lines=10)
+    assert [(e.code, e.line) for e in checked.errors] == [(code, 2)]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from exo_tasks.api.context import ctx
 from exo_tasks.batch_types import FileDeleted, FileList, FileObject
-from exo_tasks.errors import BadRequest, ExoError, InvalidRequest, NotFound
+from exo_tasks.errors import BadRequest, Conflict, ExoError, InvalidRequest, NotFound
 
 bp = Blueprint("files", __name__, url_prefix="/v1")
 # A multipart body holds the file and a little more: its part headers and the purpose field.
@@ -97,7 +97,16 @@ def file_content(file_id: str) -> Response:
 
 @bp.delete("/files/<file_id>")
 def delete_file(file_id: str) -> Response:
-    if not ctx().store.delete_file(file_id):
+    """409 while a batch reads the file (the feeder fails a batch whose input goes anyway)."""
+    store = ctx().store
+    batch = store.open_batch_reading(file_id)
+    if batch is not None:
+        message = (
+            f"file '{file_id}' is the input of batch '{batch.id}', which is {batch.status}: "
+            "delete it once the batch has ended (or cancel the batch)"
+        )
+        raise Conflict(message, {"field": "file_id", "batch_id": batch.id})
+    if not store.delete_file(file_id):
         raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
     return jsonify(FileDeleted(id=file_id).model_dump(mode="json"))
 
