@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from urllib.parse import quote
 
 from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
@@ -91,8 +92,18 @@ def file_content(file_id: str) -> Response:
     content = ctx().store.file_content(file_id)
     if content is None:  # deleted meanwhile
         raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
-    headers = {"Content-Disposition": f'attachment; filename="{meta.filename}"'}
+    headers = {"Content-Disposition": content_disposition(meta.filename)}
     return Response(content, mimetype="application/octet-stream", headers=headers)
+
+
+def content_disposition(filename: str) -> str:
+    """RFC 6266: the name as `filename*=UTF-8''…` (percent-encoded), and for old clients an
+    ASCII `filename` with `_` for anything else and for quotes, backslashes and controls. A
+    header must be Latin-1 (gunicorn answered 500 for `日本語.jsonl`), and a `"` in the name
+    ended the value and added parameters of the client's choosing."""
+    fallback = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)
+    encoded = quote(filename, safe="", errors="replace")
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{encoded}"
 
 
 @bp.delete("/files/<file_id>")

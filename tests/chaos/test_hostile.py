@@ -28,7 +28,7 @@ from exo_tasks.store import events_key, job_key, redis_waits, runner_key
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
 from tests.conftest import Stack, runner_state
 from tests.support.api import Api, api_settings, serving
-from tests.support.processes import Processes, start_redis
+from tests.support.processes import Processes, start_redis, wait_until
 from tests.support.report import Case, Report
 
 JSON = {"Content-Type": "application/json"}
@@ -185,7 +185,11 @@ def test_an_unreadable_command_fails_its_job_at_once(stack: Stack) -> None:
 # --- a lone surrogate: not text, refused at the door (exo_tasks.json_input) ---
 
 LONE = "\\ud800"  # as JSON text: json.dumps cannot write it, pydantic cannot store it
-TOOL_CALL: dict[str, Any] = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL_CALL: dict[str, Any] = {
+    "id": "c1",
+    "type": "function",
+    "function": {"name": "f", "arguments": "{}"},
+}
 CHAT_WITH_TOOLS: list[dict[str, Any]] = [
     {"role": "user", "content": "hi"},
     {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
@@ -310,6 +314,26 @@ def test_a_stream_resumed_past_its_end_ends_with_done(stack: Stack, ended_job: s
     )
     assert response.status_code == 200
     assert response.text.rstrip().split("\n\n")[-1].split("\n")[1] == "event: done"
+
+
+@pytest.mark.parametrize("past", ["99999999999999-0", "next"])
+def test_a_stream_resumed_past_a_running_jobs_end_ends_when_the_job_ends(
+    stack: Stack, past: str
+) -> None:
+    """Its `done` event, whose id is lower than the one asked for, was dropped: keepalives for
+    ever, and a stream slot held."""
+    job_id = stack.api.submit(prompt="resumed", max_tokens=200, ignore_eos=True)
+    wait_until(lambda: stack.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    if past == "next":  # a millisecond after its last event so far
+        (last_id, _), *_ = stack.store.redis.xrevrange(events_key(job_id), count=1)
+        past = f"{int(last_id.split('-')[0]) + 1}-0"
+    response = stack.api.http.get(
+        f"{stack.api.url}/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": past}, timeout=60
+    )
+    assert response.status_code == 200
+    done = response.text.rstrip().split("\n\n")[-1].split("\n")
+    assert done[1] == "event: done", response.text[-500:]
+    assert json.loads(done[2].removeprefix("data: "))["status"] == "succeeded"
 
 
 def chunked(body: bytes, size: int = 64 << 10) -> Iterator[bytes]:
