@@ -3,14 +3,16 @@ file. Pure.
 
 Python's `json` and pydantic's parser (which reads our own records back) disagree: pydantic's
 refuses a lone UTF-16 surrogate (`"\\ud800"`) and nesting past about 200 levels, and pydantic
-cannot even write a lone surrogate or nesting past about 255 levels. So what comes in is read
-here, once, and refused unless every later step can store it and read it back: nesting is
-capped at MAX_DEPTH, and every string (and key) must be one UTF-8 can hold.
+cannot even write a lone surrogate or nesting past about 255 levels (and writes NaN as null).
+So what comes in is read here, once, and refused unless every later step can store it and
+read it back as it was: nesting is capped at MAX_DEPTH, every string (and key) must be one
+UTF-8 can hold, every number finite (Python's `json` reads NaN, Infinity and 1e999).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -43,13 +45,16 @@ def loads(text: str | bytes) -> Any:
 
 def check(value: Any) -> None:
     """BadRequest (400) if `value` nests deeper than MAX_DEPTH, InvalidRequest (422, naming
-    the field) if a string or key in it holds a lone surrogate. Walks without recursion."""
+    the field) if a string or key in it holds a lone surrogate or a number is not finite.
+    Walks without recursion."""
     stack: list[tuple[tuple[str, ...], Any]] = [((), value)]
     while stack:
         path, node = stack.pop()
         if isinstance(node, str):
             _check_string(node, path)
             continue
+        if isinstance(node, float) and not math.isfinite(node):
+            _refuse(path, "a number must be finite (NaN, Infinity and 1e999 are not)")
         if not isinstance(node, dict | list):
             continue
         if len(path) >= MAX_DEPTH:
@@ -62,12 +67,16 @@ def check(value: Any) -> None:
 
 
 def _check_string(text: str, path: tuple[str, ...], *, is_key: bool = False) -> None:
-    if SURROGATE.search(text) is None:
-        return
+    if SURROGATE.search(text) is not None:
+        what = "a key" if is_key else "a string"
+        _refuse(path, f"{what} holds a lone UTF-16 surrogate (such as \\ud800), which is not text")
+
+
+def _refuse(path: tuple[str, ...], message: str) -> None:
+    """422 naming the field, in the shape of a validation error's details."""
     field = ".".join(path) or None
-    what = "a key" if is_key else "a string"
-    message = f"{what} holds a lone UTF-16 surrogate (such as \\ud800), which is not text"
-    raise InvalidRequest(f"{field}: {message}" if field else message, {"field": field})
+    details = [{"field": field, "message": message}]
+    raise InvalidRequest(f"{field}: {message}" if field else message, details)
 
 
 def _too_deep() -> str:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from exo_tasks import json_input
 from exo_tasks.batch_input import check, read_line
 from exo_tasks.batch_types import window_seconds
-from exo_tasks.errors import BadRequest, InvalidRequest
+from exo_tasks.errors import BadRequest, ExoError, InvalidRequest
 
 URL = "/v1/chat/completions"
 
@@ -49,7 +51,7 @@ def test_every_line_the_check_takes_the_feeder_reads() -> None:
     assert [r.custom_id for r in read] == ["bom", "s", "deep"]
     with pytest.raises(InvalidRequest) as refused:
         json_input.check(read[1].body)
-    assert refused.value.details == {"field": "messages.0.content"}
+    assert [d["field"] for d in refused.value.details] == ["messages.0.content"]
     with pytest.raises(BadRequest, match="nested too deeply"):
         json_input.check(read[2].body)
 
@@ -104,3 +106,41 @@ def test_completion_window() -> None:
     for bad in ("25h", "0s", "1d", "24 h", "", "h"):
         with pytest.raises(ValueError):
             window_seconds(bad)
+
+
+# Pieces of hostile lines: text with lone surrogates, byte order marks, deep nesting, odd
+# escapes and numbers, joined into lines that may or may not be JSON.
+PIECES = st.one_of(
+    st.text(max_size=8),
+    st.sampled_from(['"\\ud800"', '"\\udfff"', "\ufeff", "NaN", "1e999", '"\\u0000"', "\\", '"']),
+    st.integers(1, 400).map(lambda depth: "[" * depth + "]" * depth),
+)
+
+
+@st.composite
+def hostile_lines(draw: st.DrawFn) -> bytes:
+    body = "{" + ", ".join(f'"k{i}": {draw(PIECES)}' for i in range(draw(st.integers(0, 3)))) + "}"
+    custom_id = draw(st.one_of(st.just('"id"'), PIECES))
+    prefix = draw(st.sampled_from(["", "\ufeff", " "]))
+    return (
+        f'{prefix}{{"custom_id": {custom_id}, "method": "POST", "url": "{URL}", "body": {body}}}'
+    ).encode()
+
+
+@given(lines=st.lists(hostile_lines(), min_size=1, max_size=4))
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_whatever_the_check_takes_the_feeder_reads_and_stores(lines: list[bytes]) -> None:
+    """The property behind the first finding: a file the check takes never raises where the
+    feeder reads it; a body either passes the door (json_input.check) or is refused with an
+    ExoError (its line's answer), and what passes can be stored by pydantic."""
+    content = b"\n".join(lines)
+    checked = check(content, URL, max_lines=10)
+    if checked.errors:
+        return
+    for number, (start, end) in enumerate(checked.spans):
+        request = read_line(content[start:end].decode(), number)
+        try:
+            json_input.check(request.body)
+        except ExoError:
+            continue
+        assert type(request).model_validate_json(request.model_dump_json()) == request

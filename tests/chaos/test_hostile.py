@@ -508,6 +508,8 @@ HOSTILE: st.SearchStrategy[str] = st.one_of(
     st.integers(1, 400_000).map(lambda n: raw("x" * n)),  # huge
     st.integers(1, 3_000).map(lambda depth: "[" * depth + "]" * depth),  # deep
     st.integers(1, 40_000).map(lambda n: raw([{"role": "user", "content": ""}] * n)),  # many
+    st.text(max_size=10).map(lambda t: raw(t)[:-1] + '\\udc80"'),  # a lone surrogate
+    st.integers(60, 300).map(lambda depth: '{"a": ' + "[" * depth + "]" * depth + "}"),
 )
 # A sane value for each field, so that some generated jobs are accepted and run. `timeout_s`
 # is left out: its bounds are the time limits' (tested where those are).
