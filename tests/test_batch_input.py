@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo_tasks import json_input
-from exo_tasks.batch.input import check, read_line
+from exo_tasks.batch.input import UnreadableLine, check, read_line
 from exo_tasks.batch.types import window_seconds
 from exo_tasks.errors import BadRequest, ExoError, InvalidRequest
 
@@ -54,6 +54,13 @@ def test_every_line_the_check_takes_the_feeder_reads() -> None:
     assert [d["field"] for d in refused.value.details] == ["messages.0.content"]
     with pytest.raises(BadRequest, match="nested too deeply"):
         json_input.check(read[2].body)
+
+
+def test_a_line_that_cannot_be_read_now_says_which() -> None:
+    """Its file deleted since the check (a span read from nothing is ''): the feeder makes it
+    an error line of its batch, naming the line, instead of raising in its tick."""
+    with pytest.raises(UnreadableLine, match="line 4 of the input file cannot be read"):
+        read_line("", 3)
 
 
 @pytest.mark.parametrize(

@@ -212,7 +212,7 @@ class BatchFeeder:
         raws = self.store.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
         cut = "expired" if self._expired(batch) else batch.status
         return [
-            (line, self._ended_line(batch, line, _custom_id(raw, line), job, cut))
+            (line, self._ended_line(batch, line, batch_input.custom_id_of(raw, line), job, cut))
             for (line, job), raw in zip(ended, raws, strict=True)
         ]
 
@@ -345,7 +345,10 @@ class BatchFeeder:
             chunk = missing[start : start + 1000]
             raws = self.store.input_lines(batch.id, batch.input_file_id, chunk)
             results = [
-                (line, self.results.never_ran(batch, line, _custom_id(raw, line), cut))
+                (
+                    line,
+                    self.results.never_ran(batch, line, batch_input.custom_id_of(raw, line), cut),
+                )
                 for line, raw in zip(chunk, raws, strict=True)
             ]
             self._write(batch, results)
@@ -389,12 +392,3 @@ class BatchFeeder:
         )
         self.store.put_file(meta, content)
         return meta.id
-
-
-def _custom_id(raw: str, line: int) -> str:
-    """The line's custom_id; none ('') if it cannot be read now: the line still gets its
-    result, in its place."""
-    try:
-        return batch_input.read_line(raw, line).custom_id
-    except batch_input.UnreadableLine:
-        return ""

@@ -112,3 +112,12 @@ def read_line(raw: str, line: int) -> InputLine:
         return InputLine.model_validate(json_input.loads(raw))
     except (ExoError, ValidationError):
         raise UnreadableLine(f"line {line + 1} of the input file cannot be read") from None
+
+
+def custom_id_of(raw: str, line: int) -> str:
+    """The line's custom_id; none ('') if it cannot be read now: the line still gets its
+    result, in its place."""
+    try:
+        return read_line(raw, line).custom_id
+    except UnreadableLine:
+        return ""
