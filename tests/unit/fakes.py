@@ -263,10 +263,14 @@ class FakeTask:
 
 
 class FakeClock:
-    """time.monotonic, time.time and time.sleep for code that waits: a sleep passes at once."""
+    """time.monotonic, time.time and time.sleep for code that waits: a sleep passes at once. A
+    wait that would outlast a day fails the test, rather than spin for ever."""
+
+    START = 1000.0
+    HORIZON_S = 24 * 3600.0
 
     def __init__(self) -> None:
-        self.now = 1000.0
+        self.now = self.START
 
     def monotonic(self) -> float:
         return self.now
@@ -276,3 +280,4 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+        assert self.now - self.START < self.HORIZON_S, "a wait that never ends"

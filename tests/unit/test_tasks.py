@@ -236,6 +236,19 @@ class TestFollow:
         # Noticed after one slice of waiting, not at the job's time limit.
         assert clock.now - started == tasks.WAIT_SLICE_MS / 1000
 
+    def test_between_waits_the_progress_report_gets_the_jobs_events(self, store: FakeStore) -> None:
+        job = self.started(store)
+        store.events[job.id] = 7
+        seen: list[int] = []
+
+        class Progress:
+            def update(self, events: int) -> None:
+                seen.append(events)
+                store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+
+        self.follow(store, job, progress=cast(Any, Progress()))
+        assert seen == [7]
+
     def test_redis_restarting_is_waited_out(self, store: FakeStore, clock: FakeClock) -> None:
         job = self.started(store)
         store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
