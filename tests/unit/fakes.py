@@ -34,7 +34,7 @@ INCARNATION = f"{HOST}:1:1"
 
 def settings(**values: Any) -> Settings:
     values = {"hostname": HOST, "models": "tiny", **values}
-    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+    return Settings(_env_file=None, **values)
 
 
 def new_job(**update: Any) -> JobRecord:

@@ -69,7 +69,7 @@ def test_each_move_the_table_lacks_is_refused_and_logged(
         assert lifecycle.move_runner(state(frm), to) is None
         assert not lifecycle.may_move_runner(frm, to)
     assert [r.message for r in caplog.records] == ["runner status change refused"]
-    assert (caplog.records[0].status, caplog.records[0].to) == (frm, to)
+    assert (caplog.records[0].__dict__["status"], caplog.records[0].__dict__["to"]) == (frm, to)
 
 
 def test_the_refusals_include_the_rules_that_matter() -> None:

@@ -262,8 +262,10 @@ class TestRestart:
         failed = store.runners[RUNNER_ID]
         assert failed.status == RS.FAILED and failed.next_restart_at is not None
         handle = supervisor.handles[RUNNER_ID]
-        assert handle.restart_at == pytest.approx(clock.now + restart_backoff_s(1))
-        clock.now = handle.restart_at - 0.01
+        restart_at = handle.restart_at
+        assert restart_at == pytest.approx(clock.now + restart_backoff_s(1))
+        assert restart_at is not None
+        clock.now = restart_at - 0.01
         supervisor._restart_due()
         assert len(host.processes) == 1  # not before its time
         self.restart_when_due(supervisor, clock)
@@ -295,8 +297,9 @@ class TestRestart:
         for _ in range(3):  # runner_max_restarts
             self.crash(supervisor, host)
             handle = supervisor.handles[RUNNER_ID]
-            assert handle.restart_at is not None
-            delays.append(handle.restart_at - clock.now)
+            restart_at = handle.restart_at
+            assert restart_at is not None
+            delays.append(restart_at - clock.now)
             self.restart_when_due(supervisor, clock)
         assert delays == [restart_backoff_s(n) for n in (1, 2, 3)]
         self.crash(supervisor, host)

@@ -33,7 +33,7 @@ from tests.unit.fakes import (
 
 RS = JobStatus
 # The task's body, called with a fake task as its `self` (Celery binds it to the real one).
-inference = tasks.inference.__wrapped__.__func__
+inference = cast(Any, tasks.inference).__wrapped__.__func__
 
 
 @pytest.fixture
@@ -325,7 +325,7 @@ class TestHardLimit:
     def test_the_job_fails_and_its_runner_drops_it(self, store: FakeStore) -> None:
         job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
         task = cast(Any, FakeTask(store))
-        tasks.InferenceTask.on_failure(task, TimeLimitExceeded(60), job.id, (), {}, None)
+        tasks.InferenceTask.on_failure(task, TimeLimitExceeded(60), job.id, (), {}, cast(Any, None))
         assert store.jobs[job.id].status == RS.FAILED
         assert store.jobs[job.id].error == "hard time limit exceeded (60s)"
         assert store.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id)]
@@ -333,7 +333,7 @@ class TestHardLimit:
     def test_other_failures_are_celerys_alone(self, store: FakeStore) -> None:
         job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
         task = cast(Any, FakeTask(store))
-        tasks.InferenceTask.on_failure(task, ValueError("x"), job.id, (), {}, None)
+        tasks.InferenceTask.on_failure(task, ValueError("x"), job.id, (), {}, cast(Any, None))
         assert store.jobs[job.id].status == RS.RUNNING and store.inboxes[RUNNER_ID] == []
 
 
