@@ -9,8 +9,10 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, cast
 
+import pytest
 import redis
 
 from config.settings import Settings
@@ -281,3 +283,10 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.now += seconds
         assert self.now - self.START < self.HORIZON_S, "a wait that never ends"
+
+
+def clock_of(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> FakeClock:
+    """A fake clock in place of `module`'s `time`, for the test's length."""
+    clock = FakeClock()
+    monkeypatch.setattr(module, "time", clock)
+    return clock

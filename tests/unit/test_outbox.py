@@ -14,7 +14,7 @@ from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.runner import outbox as outbox_module
 from exo_tasks.runner.outbox import Occupancy, Outbox
 from exo_tasks.types import JobRecord, TokenEvent
-from tests.unit.fakes import FakeClock, new_job, runner
+from tests.unit.fakes import FakeClock, clock_of, new_job, runner
 
 RS = RunnerStatus
 
@@ -46,9 +46,7 @@ class Store:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(outbox_module, "time", fake)
-    return fake
+    return clock_of(monkeypatch, outbox_module)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from celery.exceptions import Ignore
 from exo_tasks.types import JobStatus
 from exo_tasks.worker import task_states
 from exo_tasks.worker.task_states import JobEnded, TaskProgress
-from tests.unit.fakes import FakeClock, FakeStore, FakeTask, new_job
+from tests.unit.fakes import FakeClock, FakeStore, FakeTask, clock_of, new_job
 
 RS = JobStatus
 
@@ -75,9 +75,7 @@ class TestFinish:
 class TestTaskProgress:
     @pytest.fixture
     def clock(self, monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-        fake = FakeClock()
-        monkeypatch.setattr(task_states, "time", fake)
-        return fake
+        return clock_of(monkeypatch, task_states)
 
     def test_started_is_stored_at_once_with_no_tokens(self, task: FakeTask) -> None:
         TaskProgress(cast(Any, task), max_tokens=16, events_before=0)

@@ -27,6 +27,7 @@ from tests.unit.fakes import (
     FakeClock,
     FakeStore,
     FakeTask,
+    clock_of,
     new_job,
     runner,
 )
@@ -39,9 +40,7 @@ inference = cast(Any, tasks.inference).__wrapped__.__func__
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     """The tasks' clock: their waits (in slices, for the runner, for Redis) pass at once."""
-    fake = FakeClock()
-    monkeypatch.setattr(tasks, "time", fake)
-    return fake
+    return clock_of(monkeypatch, tasks)
 
 
 @pytest.fixture
