@@ -10,6 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from exo_tasks import lifecycle
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.instances import FAILED, STARTING
 from exo_tasks.runner import ring
@@ -117,10 +118,15 @@ class Follower:
         self.spec, self.progress, self.store = spec, progress, store
         self.state = spec.first_state()
 
-    def publish(self, status: RunnerStatus, error: str | None = None, **changes: Any) -> None:
-        update = {"status": status, "error": error, "updated_at": utcnow(), **changes}
-        self.state = self.state.model_copy(update=update)
-        self.store.publish_runner(self.state)
+    def publish(self, *statuses: RunnerStatus, error: str | None = None, **changes: Any) -> None:
+        """Each status in turn, as the runner statuses' table allows (exo_tasks.lifecycle)."""
+        for status in statuses:
+            moved = lifecycle.move_runner(
+                self.state, status, error=error, updated_at=utcnow(), **changes
+            )
+            if moved is not None:
+                self.state = moved
+                self.store.publish_runner(moved)
 
     def run(self) -> int:
         from exo_tasks.runner.schedule import Channel, follow, is_ring_error
@@ -133,17 +139,19 @@ class Follower:
             log.info("rank start abandoned", extra={"why": str(exc)})
             return EXIT_STALE
         except ConfigError as exc:
-            self.publish(RunnerStatus.FAILED, str(exc))
+            self.publish(RunnerStatus.FAILED, error=str(exc))
             return EXIT_CONFIG
         engine = build_engine(self.spec, model, tokenizer)
-        self.publish(RunnerStatus.READY, weights_bytes=engine.weights_bytes)
+        # It warms up when rank 0 does (the first plan): following is what it is ready for.
+        ready = (RunnerStatus.LOADED, RunnerStatus.WARMING_UP, RunnerStatus.READY)
+        self.publish(*ready, weights_bytes=engine.weights_bytes)
         try:
             follow(engine, Channel(group), self._stepped)
         except Exception as exc:
             log.exception("rank failed while following rank 0")
-            self.publish(RunnerStatus.FAILED, f"rank failed: {exc}")
+            self.publish(RunnerStatus.FAILED, error=f"rank failed: {exc}")
             return EXIT_PEER_LOST if is_ring_error(str(exc)) else 1
-        self.publish(RunnerStatus.SHUTDOWN)
+        self.publish(RunnerStatus.SHUTTING_DOWN, RunnerStatus.SHUTDOWN)
         log.info("rank stopped cleanly")
         return 0
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Literal
 
 from config.settings import Settings
+from exo_tasks import lifecycle
 from exo_tasks.commands import StopRunner
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.instances import (
@@ -272,12 +273,13 @@ class RankKeeper:
         spec = handle.spec
         assert spec.rank is not None
         self._stopping.discard(spec.runner_id)
+        last = self.store.get_runner(spec.runner_id)
+        if last is not None and last.status == RunnerStatus.FAILED and last.error:
+            cause = f"{last.error} ({cause})"  # it said why before it exited
+        self._publish_exit(spec, exitcode, cause)
         instance = self.store.get_instance(spec.rank.instance_id)
         if instance is None or instance.generation != spec.rank.generation:
             return
-        last = self.store.get_runner(spec.runner_id)
-        if last is not None and last.status == RunnerStatus.FAILED and last.error:
-            cause = f"{last.error} ({cause})"
         clean = exitcode in (0, EXIT_STALE)
         intended = handle.stop is not None and handle.stall is None
         status = RunnerStatus.SHUTDOWN if clean else RunnerStatus.FAILED
@@ -297,17 +299,19 @@ class RankKeeper:
             failed = self.store.fail_runner_jobs(spec.runner_id, error)
             if failed:
                 log.error("jobs failed with their instance", extra={"jobs": ",".join(failed)})
-        state = last or spec.first_state()
-        final = state.model_copy(
-            update={
-                "status": status,
-                "error": None if clean else cause,
-                "active_jobs": 0,
-                "updated_at": utcnow(),
-            }
-        )
-        self.store.publish_runner(final)
         log.info("rank exited", extra={"runner": spec.runner_id, "cause": exit_cause(exitcode)})
+
+    def _publish_exit(self, spec: RunnerSpec, exitcode: int, cause: str) -> None:
+        """The rank runner's last state, as the supervisor publishes a runner's: Shutdown after
+        a clean exit (it said so itself), else Failed with the cause."""
+        last = self.store.get_runner(spec.runner_id) or spec.first_state()
+        if exitcode == EXIT_STALE:
+            cause = "start abandoned: its instance moved on"
+        to = RunnerStatus.SHUTDOWN if exitcode == 0 else RunnerStatus.FAILED
+        error = None if exitcode == 0 else cause
+        final = lifecycle.move_runner(last, to, error=error, active_jobs=0, updated_at=utcnow())
+        if final is not None:
+            self.store.publish_runner(final)
 
     def _await_cause(self, instance: InstanceRecord) -> InstanceRecord:
         """Wait (bounded) for the rank that died, or its host, to be named as the cause."""
