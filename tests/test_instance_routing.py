@@ -15,14 +15,17 @@ from typing import Any
 
 import pytest
 
+from exo_tasks import lifecycle
+from exo_tasks.commands import SubmitJob
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.instances import InstanceRecord, InstanceStatus
-from exo_tasks.naming import instance_queue, model_queue, runner_id_for
+from exo_tasks.naming import instance_queue, instance_runner_id, model_queue, runner_id_for
 from exo_tasks.store import Store, job_key, runner_key
 from exo_tasks.store.keys import RUNNERS
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api
 from tests.support.held_hosts import held_hosts, move_instance
+from tests.support.metrics import scrape, value
 
 HELD = ("held-a", "held-b")
 JOB = {"prompt": "hi", "max_tokens": 4}
@@ -159,3 +162,24 @@ def test_a_model_whose_whole_runners_are_all_down_goes_to_its_instance(
         finally:
             store.redis.srem(RUNNERS, whole.id)
             store.redis.delete(runner_key(whole.id), runner_key(whole.id, "history"))
+
+
+def test_metrics_count_an_instances_jobs_for_its_model(
+    stack: Stack, gamma_model: Path, placed: list[str]
+) -> None:
+    api, store = stack.api, stack.store
+    instance_id = place(api, placed, str(gamma_model))
+    move_instance(store, instance_id, STARTING, READY)
+    job_id = api.submit(model="gamma", **JOB)
+    waiting = value(scrape(api.url), "exo_num_requests_waiting", model="gamma")
+    assert waiting == store.queue_depth(instance_queue(instance_id)) >= 1
+    # Handed to rank 0 as rank 0's host hands it over: running there.
+    rank0 = instance_runner_id(instance_id, 0)
+    job = store.get_job(job_id)
+    assert job is not None
+    running = lifecycle.start(job, host=HELD[0], runner_id=rank0, owner="held-a:1:1")
+    assert store.hand_over(rank0, SubmitJob(job=running, soft_deadline=0, deadline=0))
+    try:
+        assert value(scrape(api.url), "exo_num_requests_running", model="gamma") == 1
+    finally:
+        store.fail_runner_jobs(rank0, "test over")
