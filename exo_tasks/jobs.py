@@ -70,18 +70,19 @@ def route(
     fleet: Fleet, settings: Settings, request: JobRequest, store: Store | None = None
 ) -> Route:
     """Where `request` goes in `fleet`, or why it cannot go now: 404 for a model or host no
-    live host serves, 503 when every runner that could take it is down, 400 for tools the
-    model cannot call. Checked before a stream's first byte, so a client's mistake keeps its
+    live host serves, 503 when every runner that could take it is down (or every instance of a
+    model only instances serve cannot take it: fleet.instance_for), 400 for tools the model
+    cannot call. Checked before a stream's first byte, so a client's mistake keeps its
     status. A full queue's 429 comes from the job's creation (submit), or for a stream from
     refuse_if_full before its first byte. With `store`, an unpinned job may go to the host
     that ran its prompt's prefix (exo_tasks.prefix_routing)."""
     model = resolve_model(fleet, settings, request.model)
     instance = fleet.instance_for(model, request.host)
-    if instance is not None:
-        return Route(model, instance_queue(instance.id), instance.id)
-    queue = fleet.queue_for(model, request.host)
+    queue = instance_queue(instance.id) if instance else fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
+    if instance is not None:
+        return Route(model, queue, instance.id)
     if store is not None and request.host is None:
         queue = _queue_by_prefix(store, fleet, settings, model, request) or queue
     return Route(model, queue)

@@ -183,3 +183,30 @@ def test_metrics_count_an_instances_jobs_for_its_model(
         assert value(scrape(api.url), "exo_num_requests_running", model="gamma") == 1
     finally:
         store.fail_runner_jobs(rank0, "test over")
+
+
+def test_tools_for_an_instance_whose_rank_0_has_no_tool_calling_are_refused(
+    stack: Stack, gamma_model: Path, placed: list[str]
+) -> None:
+    api, store = stack.api, stack.store
+    instance_id = place(api, placed, str(gamma_model))
+    move_instance(store, instance_id, STARTING, READY)
+    # Rank 0's runner, as it publishes itself once loaded: the model's template takes no tools.
+    rank0 = RunnerState(
+        id=instance_runner_id(instance_id, 0),
+        host=HELD[0],
+        model="gamma",
+        status=READY_RUNNER,
+        tool_calling=False,
+    )
+    store.publish_runner(rank0)
+    try:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        status, message = refused(api, model="gamma", tools=[tool])
+        assert status == 422, message
+        assert (
+            message == "model 'gamma' does not support tools: its chat template has no tool calling"
+        )
+    finally:
+        store.redis.srem(RUNNERS, rank0.id)
+        store.redis.delete(runner_key(rank0.id), runner_key(rank0.id, "history"))
