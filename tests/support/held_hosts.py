@@ -9,9 +9,10 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 
-from exo_tasks.fleet_types import HostState
+from exo_tasks.fleet_types import HostState, RunnerState
 from exo_tasks.instances import InstanceStatus
-from exo_tasks.store import Store
+from exo_tasks.store import Store, runner_key
+from exo_tasks.store.keys import RUNNERS
 from exo_tasks.types import utcnow
 
 # Longer than any test that holds them; removed at its end anyway.
@@ -37,3 +38,15 @@ def move_instance(
     """The instance moved through `statuses` as its hosts' supervisors would move it."""
     for status in statuses:
         assert store.transition_instance(instance_id, status, error=error), status
+
+
+@contextlib.contextmanager
+def held_runner(store: Store, state: RunnerState) -> Iterator[RunnerState]:
+    """A runner's state published as its supervisor publishes it, on a held host, and gone
+    (state, history, its place in the runner list) at the block's end."""
+    store.publish_runner(state)
+    try:
+        yield state
+    finally:
+        store.redis.srem(RUNNERS, state.id)
+        store.redis.delete(runner_key(state.id), runner_key(state.id, "history"))
