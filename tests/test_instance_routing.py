@@ -23,7 +23,7 @@ from exo_tasks.naming import instance_queue, instance_runner_id, model_queue, ru
 from exo_tasks.store import Store, job_key
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api
-from tests.support.held_hosts import held_hosts, held_runner, move_instance
+from tests.support.held_hosts import held_hosts, held_incarnation, held_runner, move_instance
 from tests.support.metrics import scrape, value
 
 HELD = ("held-a", "held-b")
@@ -175,7 +175,8 @@ def test_metrics_count_an_instances_jobs_for_its_model(stack: Stack, ready_gamma
     rank0 = instance_runner_id(instance_id, 0)
     job = store.get_job(job_id)
     assert job is not None
-    running = lifecycle.start(job, host=HELD[0], runner_id=rank0, owner="held-a:1:1")
+    owner = held_incarnation(HELD[0])
+    running = lifecycle.start(job, host=HELD[0], runner_id=rank0, owner=owner)
     assert store.hand_over(rank0, SubmitJob(job=running, soft_deadline=0, deadline=0))
     try:
         assert value(scrape(api.url), "exo_num_requests_running", model="gamma") == 1

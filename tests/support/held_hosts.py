@@ -19,11 +19,23 @@ from exo_tasks.types import utcnow
 HELD_TTL_S = 300.0
 
 
+def held_incarnation(host: str) -> str:
+    """The incarnation a held host beats with: a job a test hands over there names it as its
+    owner, so the recovery loop sees its owner live (and leaves it running)."""
+    return f"{host}:{os.getpid()}:0"
+
+
 @contextlib.contextmanager
 def held_hosts(store: Store, *hosts: str, models: Sequence[str] = ()) -> Iterator[list[str]]:
     """`hosts`, beating for the block's duration, each announcing it serves `models` whole."""
     for host in hosts:
-        state = HostState(name=host, pid=os.getpid(), models=list(models), started_at=utcnow())
+        state = HostState(
+            name=host,
+            pid=os.getpid(),
+            incarnation=held_incarnation(host),
+            models=list(models),
+            started_at=utcnow(),
+        )
         store.publish_host(state, HELD_TTL_S)
     try:
         yield list(hosts)
