@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from exo_tasks import batch_input, jobs, metrics
+from exo_tasks import batch_input, fairness, jobs, metrics
 from exo_tasks.batch_jobs import cancel_inflight, line_job_id
 from exo_tasks.batch_results import ENDPOINTS, LineResults, succeeded
 from exo_tasks.batch_types import (
@@ -266,7 +266,8 @@ class BatchFeeder:
             raise InvalidRequest("a batch's requests cannot stream", {"field": "stream"})
         fields = {**body.job_fields(), "priority": "low"}
         job_request = jobs.parse_request(self.settings, fields)
-        jobs.submit(self.store, self.app, self.settings, job_request, job_id=job_id)
+        client = fairness.batch_client(batch.id)
+        jobs.submit(self.store, self.app, self.settings, job_request, job_id, client=client)
 
     # --- ending ---
 
