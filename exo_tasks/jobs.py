@@ -131,7 +131,8 @@ def submit(
     request: JobRequest,
     job_id: str | None = None,
     where: Route | None = None,
-    client: Client | None = None,
+    *,
+    client: Client,
 ) -> JobRecord:
     """Record the job, then send its task: a job the API accepted is never unknown. A pinned
     job goes to its host's own queue, which only that host's worker consumes. Once
@@ -139,16 +140,14 @@ def submit(
     `client`'s, 429: the client backs off, Redis does not fill up, other clients go on. The job
     waits at the step of its priority class its client's waiting jobs give it (fairness.py).
     `job_id`: one chosen beforehand (new_job_id), already given to the client; `where`: its
-    route, if already found."""
+    route, if already found; `client`: who sent it (exo_tasks.fairness)."""
     where = where or route(Fleet.load(store), settings, request, store)
     job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
     quota = settings.max_queued_jobs_per_client
-    key = client.key if client is not None else None
-    admitted = store.create_job(job, where.queue, settings.max_queued_jobs, key, quota)
+    admitted = store.create_job(job, where.queue, settings.max_queued_jobs, client.key, quota)
     # Counted as the job was created: these hold.
     refuse_if_full(where.queue, admitted.depth, settings)
-    if client is not None:
-        refuse_over_quota(client, admitted.client_waiting, settings)
+    refuse_over_quota(client, admitted.client_waiting, settings)
     assert admitted.step is not None, "a job refused by neither count was created"
     send(celery, settings, job, where.queue, admitted.step)
     return job

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -78,9 +79,8 @@ class ApiContext:
     def _send(
         self, job_request: JobRequest, job_id: str | None, where: jobs.Route, client: Client
     ) -> JobRecord:
-        return self._senders.submit(
-            jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where, client
-        ).result()
+        send = functools.partial(jobs.submit, self.store, self.celery, self.settings, client=client)
+        return self._senders.submit(send, job_request, job_id, where).result()
 
 
 def ctx() -> ApiContext:
