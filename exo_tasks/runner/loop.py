@@ -255,7 +255,7 @@ class Runner:
             return
         error = f"the runner could not read the job's command: {command.error}"
         if command.job_id in self.active:
-            self._end(command.job_id, "failed", None, error)
+            self._end(command.job_id, JobStatus.FAILED, None, error)
         else:
             self._refuse(command.job_id, error)
 
