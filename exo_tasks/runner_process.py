@@ -9,7 +9,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import signal
 import sys
 import threading
@@ -23,16 +22,16 @@ from config.settings import Settings
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.logs import configure_logging
 from exo_tasks.naming import model_slug, runner_id_for
-from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
+    from tokenizers import Tokenizer
+
     from exo_tasks.engine_lane import TokenDelta
     from exo_tasks.types import ChatMessage, SamplingParams
     from exo_tasks.wire import Tool
 
 log = logging.getLogger("exo_tasks.runner")
-INBOX_POLL_S = 1.0
 # Exit code of a runner that cannot work as configured: the supervisor does not restart it.
 EXIT_CONFIG = 78  # EX_CONFIG
 # Exit code of a runner that unloaded its idle model: started again on demand, not restarted.
@@ -139,6 +138,8 @@ class Engine(Protocol):
     def tool_calling(self) -> bool: ...
     @property
     def prompt_cache_bytes(self) -> int: ...
+    @property
+    def prompt_tokenizer(self) -> Tokenizer | None: ...
     def encode(
         self,
         prompt: str | None,
@@ -181,24 +182,6 @@ def load_engine(spec: RunnerSpec) -> Engine:
         lanes=spec.lanes,
         prompt_cache_bytes=spec.prompt_cache_bytes,
     )
-
-
-def read_inbox(store: Store, runner_id: str, commands: queue.Queue[Any]) -> None:
-    """Move the runner's Redis inbox into `commands`, from a thread of its own, so the batching
-    loop never waits on the network."""
-
-    def read() -> None:
-        while True:
-            try:
-                command = store.next_runner_command(runner_id, INBOX_POLL_S)
-            except Exception:
-                log.exception("reading the inbox failed; retrying")
-                time.sleep(INBOX_POLL_S)
-                continue
-            if command is not None:
-                commands.put(command)
-
-    threading.Thread(target=read, name="inbox", daemon=True).start()
 
 
 def main(spec_json: str, progress_array: Any) -> None:

@@ -11,6 +11,7 @@ from flask import current_app
 from config.settings import Settings
 from exo_tasks import jobs
 from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals
+from exo_tasks.api.prompt_door import PromptDoor
 from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.fleet import SharedReads
@@ -44,6 +45,7 @@ class ApiContext:
         self.hub = EventHub(lambda: connect(url), settings.stream_buffer_events)
         self.streams = StreamCap(settings.max_streams)
         self.arrivals = Arrivals()
+        self.prompt_door = PromptDoor(settings)
         self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 

@@ -34,6 +34,7 @@ def summary(job: JobRecord) -> dict[str, Any]:
 def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
+    context.prompt_door.check(job_request)
     job = context.submit(job_request)
     return jsonify(summary(job)), 202
 

@@ -189,6 +189,7 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
             json_body(), context={"max_tokens_cap": context.settings.max_tokens}
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
+        context.prompt_door.check(job_request)
         if body.stream:
             return _open_stream(context, renderer, job_request, body.include_usage)
     job = context.submit(job_request)

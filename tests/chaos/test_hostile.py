@@ -130,12 +130,15 @@ def test_many_empty_messages_are_refused_at_submission(stack: Stack) -> None:
 
 @pytest.mark.usefixtures("same_runner")
 def test_the_runner_refuses_a_prompt_over_the_token_cap_exactly(stack: Stack) -> None:
-    """The API cannot tokenize; the runner can, and refuses at admission what is over."""
+    """The API's door counts the messages' contents (8,190 tokens: under the cap); the runner
+    counts them after the chat template (24 tokens more: over), and refuses at admission."""
     beside = stack.api.submit(prompt="beside", max_tokens=300, ignore_eos=True)
-    over = stack.api.submit(prompt="p" * 9_000, max_tokens=1)
+    over = stack.api.submit(messages=[{"role": "user", "content": "p" * 8_190}], max_tokens=1)
     job = stack.api.wait_job(over)
     assert job["status"] == "failed"
-    assert "tokens after the chat template; at most 8192 (EXO_MAX_PROMPT_TOKENS)" in job["error"]
+    assert job["error"] == (
+        "the prompt is 8214 tokens after the chat template; at most 8192 (EXO_MAX_PROMPT_TOKENS)"
+    )
     beside_job = stack.api.wait_job(beside)
     assert beside_job["status"] == "succeeded"
     assert beside_job["usage"]["completion_tokens"] == 300
