@@ -273,9 +273,8 @@ class Runner:
             self._record_progress(progressed=True)
 
     def _refuse(self, command: SubmitJob, error: str) -> None:
-        """Fail a job handed over that cannot join the batch. Its ending goes out with the
-        next step's writes (no read, no round trip of its own), and a refusal is work done:
-        the stall watchdog does not count it against the runner."""
+        """Fail a job that cannot join the batch: written with the next step's writes, and work
+        done for the stall watchdog."""
         self.outbox.endings.append(intake.refusal(command.job, error))
         self._record_progress(progressed=True)
 
@@ -301,7 +300,8 @@ class Runner:
         # Counted here; the stored record shows it once the job ends.
         usage = job.usage.model_copy(update={"prompt_tokens": len(prompt)})
         started = job.model_copy(update={"usage": usage})
-        self.active[job.id] = ActiveJob(started, command.soft_deadline, command.deadline)
+        limits = (command.soft_deadline, command.deadline, self.spec.max_job_bytes)
+        self.active[job.id] = ActiveJob(started, *limits)
         self.outbox.observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
         self._record_progress(progressed=True)
         log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt)})
@@ -363,14 +363,14 @@ class Runner:
         self._after_job_left()
 
     def _drop_expired(self) -> None:
-        """End the jobs past their time limits by our own clock. The task's hard limit kills its
-        pool child before it can tell us, and the signal that brings the soft limit to the task
-        can be lost (seen: a limit logged by the worker, never raised in the child)."""
+        """End the jobs past their time limits by our own clock (the task's hard limit kills
+        its pool child before it can tell us; the soft limit's signal can be lost), or past
+        their storage bound."""
         now = time.time()
         for job_id, job in list(self.active.items()):
-            expiry = job.expiry(now)
-            if expiry is not None:
-                self._end(job_id, *expiry)
+            ending = job.expiry(now) or job.over_storage()
+            if ending is not None:
+                self._end(job_id, *ending)
 
     # --- stopping ---
 

@@ -52,6 +52,7 @@ class RunnerSpec(BaseModel):
     redis_url: str
     job_ttl_s: int
     max_prompt_tokens: int
+    max_job_bytes: int = 8 << 20  # EXO_MAX_JOB_BYTES
     restarts: int = 0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
@@ -73,6 +74,7 @@ class RunnerSpec(BaseModel):
             redis_url=settings.effective_redis_url,
             job_ttl_s=settings.job_ttl_s,
             max_prompt_tokens=settings.max_prompt_tokens,
+            max_job_bytes=settings.max_job_bytes,
             completion_batch_size=settings.completion_batch_size,
             prefill_batch_size=settings.prefill_batch_size,
             prefill_step_size=settings.prefill_step_size,

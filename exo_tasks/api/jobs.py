@@ -35,6 +35,7 @@ def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
     context.prompt_door.check(job_request)
+    context.refuse_if_storage_low()
     job = context.submit(job_request)
     return jsonify(summary(job)), 202
 
@@ -107,7 +108,7 @@ def stream_job(job_id: str) -> Response:
                     continue
                 event_id, event = item
                 data = (
-                    public(event.job)
+                    public(context.store.final_job(event))
                     if isinstance(event, DoneEvent)
                     else event.model_dump(exclude={"event"})
                 )

@@ -190,6 +190,7 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
         context.prompt_door.check(job_request)
+        context.refuse_if_storage_low()
         if body.stream:
             return _open_stream(context, renderer, job_request, body.include_usage)
     job = context.submit(job_request)
@@ -229,7 +230,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
     final: JobRecord | None = None
     for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
-            final = item[1].job
+            final = context.store.final_job(item[1])
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
                 jobs.cancel(context.store, job.id)

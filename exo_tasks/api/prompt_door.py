@@ -65,5 +65,5 @@ def _offloader() -> Callable[..., Any]:
         return lambda fn, *args: fn(*args)
     from gevent.threadpool import ThreadPool
 
-    apply: Callable[..., Any] = ThreadPool(COUNTING_THREADS).apply
-    return apply
+    pool = ThreadPool(COUNTING_THREADS)
+    return lambda fn, *args: pool.apply(fn, args)

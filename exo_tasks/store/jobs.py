@@ -36,6 +36,7 @@ from exo_tasks.types import (
     RequeuedEvent,
     TokenEvent,
 )
+from exo_tasks.wire import STORED
 
 log = logging.getLogger("exo_tasks.store")
 RECENT_JOBS_KEPT = 10_000
@@ -111,13 +112,20 @@ class JobRecords(MetricRecords):
         trip. Returns the messages found in the queue: the job was created if fewer."""
         keys = [job_key(job.id), RECENT_JOBS, ACTIVE_JOBS, *queue_lists(queue)]
         created = job.created_at.timestamp()
-        args: list[str | int | float] = [max_queued, job.status, job.model_dump_json(), created]
+        record = job.model_dump_json(context=STORED)
+        args: list[str | int | float] = [max_queued, job.status, record, created]
         args += [job.id, self.job_ttl_s, queue]
         return int(self.script(CREATE_UNLESS_FULL)(keys=keys, args=args))
 
     def get_job(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hget(job_key(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
+
+    def final_job(self, done: DoneEvent) -> JobRecord:
+        """The job as its ending has it, with the logprobs its record alone keeps."""
+        if done.job.request.logprobs:
+            return self.get_job(done.job.id) or done.job
+        return done.job
 
     def job_and_runner(
         self, job_id: str, runner_id: str
@@ -179,10 +187,19 @@ class JobRecords(MetricRecords):
         job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
-            event = DoneEvent(event=lifecycle.ending_event(job), job=job)
+            # The job's logprobs are kept in its record only (final_job reads them there).
+            output = job.output.model_copy(update={"logprobs": None})
+            event = DoneEvent(
+                event=lifecycle.ending_event(job), job=job.model_copy(update={"output": output})
+            )
         if event is not None:
-            event_name, event_data = event.event, event.model_dump_json()
-        args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data]
+            event_name, event_data = event.event, event.model_dump_json(context=STORED)
+        args: list[str | int] = [
+            job.status,
+            job.model_dump_json(context=STORED),
+            event_name,
+            event_data,
+        ]
         args += [self.job_ttl_s, move.owner or "", job.owner or "", job.id, *move.allowed_from]
         return args
 
@@ -199,7 +216,8 @@ class JobRecords(MetricRecords):
         blocked on a job's stream wakes once, with the step's token and the job's end together."""
         pipe = self.redis.pipeline(transaction=True)
         for job_id, token in tokens:
-            pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
+            data = token.model_dump_json(context=STORED)
+            pipe.xadd(events_key(job_id), {"event": token.event, "data": data})
             # An attempt's first token: the stream expires even if the job never ends.
             if token.index == 0:
                 pipe.expire(events_key(job_id), self.job_ttl_s)
