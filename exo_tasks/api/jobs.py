@@ -15,14 +15,14 @@ from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
-from exo_tasks.types import MAX_LIST_LIMIT, DoneEvent, JobRecord, JobStatus, utcnow
+from exo_tasks.types import MAX_LIST_LIMIT, DoneEvent, JobEnding, JobRecord, JobStatus, utcnow
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 # A Redis stream id: milliseconds, then optionally a sequence number, each an unsigned 64-bit.
 STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
 
 
-def public(job: JobRecord) -> dict[str, Any]:
+def public(job: JobEnding) -> dict[str, Any]:
     return job.model_dump(mode="json")
 
 

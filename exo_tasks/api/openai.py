@@ -47,6 +47,7 @@ from exo_tasks.openai_types import (
 )
 from exo_tasks.types import (
     DoneEvent,
+    JobEnding,
     JobRecord,
     JobRequest,
     JobStatus,
@@ -75,7 +76,7 @@ class Sent:
 class Renderer(Protocol):
     """How one route shows a job: whole, or as the chunks of a stream."""
 
-    def whole(self, job: JobRecord) -> BaseModel: ...
+    def whole(self, job: JobEnding) -> BaseModel: ...
 
     def opening(self, job: JobRecord) -> list[BaseModel]: ...
 
@@ -87,10 +88,10 @@ class Renderer(Protocol):
         sent: Sent,
     ) -> BaseModel: ...
 
-    def usage_chunk(self, job: JobRecord) -> BaseModel: ...
+    def usage_chunk(self, job: JobEnding) -> BaseModel: ...
 
 
-def _header(job: JobRecord, prefix: str) -> dict[str, Any]:
+def _header(job: JobEnding, prefix: str) -> dict[str, Any]:
     """What every chunk of one answer repeats: its id, creation time and model."""
     return {
         "id": f"{prefix}-{job.id}",
@@ -100,7 +101,7 @@ def _header(job: JobRecord, prefix: str) -> dict[str, Any]:
 
 
 class ChatRenderer:
-    def whole(self, job: JobRecord) -> ChatCompletion:
+    def whole(self, job: JobEnding) -> ChatCompletion:
         output = job.output
         calls = output.tool_calls
         choice = ChatChoice(
@@ -134,12 +135,12 @@ class ChatRenderer:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
         return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])
 
-    def usage_chunk(self, job: JobRecord) -> ChatCompletionChunk:
+    def usage_chunk(self, job: JobEnding) -> ChatCompletionChunk:
         return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[], usage=job.usage)
 
 
 class TextRenderer:
-    def whole(self, job: JobRecord) -> Completion:
+    def whole(self, job: JobEnding) -> Completion:
         output = job.output
         logprobs = CompletionLogprobs.of(output.logprobs) if output.logprobs is not None else None
         choice = CompletionChoice(
@@ -167,7 +168,7 @@ class TextRenderer:
         choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
         return Completion(**_header(job, "cmpl"), choices=[choice])
 
-    def usage_chunk(self, job: JobRecord) -> Completion:
+    def usage_chunk(self, job: JobEnding) -> Completion:
         return Completion(**_header(job, "cmpl"), choices=[], usage=job.usage)
 
 
@@ -216,21 +217,22 @@ def _open_stream(
     return response
 
 
-def _failure(job: JobRecord) -> RunnerGone:
+def _failure(job: JobEnding) -> RunnerGone:
     """A failed job: its runner died, stalled or was shut down before it finished."""
     return RunnerGone(job.error or f"job {job.id} failed", {"job_id": job.id})
 
 
-def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
+def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
     """The job once it has ended; a failed job is an error. Bounded by the job's time limits:
     past them (it sat in the queue) the job is cancelled and the request gets 503."""
     settings = context.settings
     limit_s = limits.job_limits(job.request.timeout_s, settings).hard_s + WAIT_SLACK_S
     deadline = time.monotonic() + limit_s
-    final: JobRecord | None = None
+    final: JobEnding | None = None
     for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
-            final = context.store.final_job(item[1])
+            # Its ending carries no logprobs: its record has them.
+            final = context.store.final_job(item[1]) if job.request.logprobs else item[1].job
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
                 jobs.cancel(context.store, job.id)
@@ -323,7 +325,7 @@ def _chunks(plan: _Stream, job: JobRecord) -> Generator[str, None, bool]:
 
 
 def _ending(
-    renderer: Renderer, job: JobRecord, final: JobRecord, include_usage: bool
+    renderer: Renderer, job: JobRecord, final: JobEnding, include_usage: bool
 ) -> Iterator[str]:
     if final.status == JobStatus.FAILED:
         failure = _failure(final)

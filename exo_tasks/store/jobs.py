@@ -30,6 +30,7 @@ from exo_tasks.store.metrics import MetricRecords
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
+    JobEnding,
     JobEvent,
     JobRecord,
     JobStatus,
@@ -121,11 +122,10 @@ class JobRecords(MetricRecords):
         raw = self.redis.hget(job_key(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
 
-    def final_job(self, done: DoneEvent) -> JobRecord:
-        """The job as its ending has it, with the logprobs its record alone keeps."""
-        if done.job.request.logprobs:
-            return self.get_job(done.job.id) or done.job
-        return done.job
+    def final_job(self, done: DoneEvent) -> JobEnding:
+        """The job whole (its request, its logprobs), as it ended: from its record, which keeps
+        what its ending does not repeat (as its ending has it if the record is gone)."""
+        return self.get_job(done.job.id) or done.job
 
     def job_and_runner(
         self, job_id: str, runner_id: str
@@ -187,7 +187,7 @@ class JobRecords(MetricRecords):
         job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
-            # The job's logprobs are kept in its record only (final_job reads them there).
+            # Its request and logprobs are kept in its record only (final_job reads them there).
             output = job.output.model_copy(update={"logprobs": None})
             event = DoneEvent(
                 event=lifecycle.ending_event(job), job=job.model_copy(update={"output": output})
