@@ -18,7 +18,7 @@ class ExoCelery(Celery):
     """A Celery app that knows the project's settings and its Redis store."""
 
     def __init__(self, settings: Settings) -> None:
-        super().__init__("exo_tasks", include=["exo_tasks.tasks"])
+        super().__init__("exo_tasks", include=["exo_tasks.worker.tasks"])
         reuse_clients()  # not a new redis-py client per message sent (exo_tasks/broker.py)
         self.settings = settings
         # This worker's incarnation (set by the worker before its pool forks): the owner that

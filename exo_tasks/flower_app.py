@@ -12,7 +12,7 @@ from typing import Any
 import tornado.web
 from flower.views.monitor import Metrics
 
-from exo_tasks.worker import app
+from exo_tasks.worker.app import app
 
 __all__ = ["app"]
 

@@ -1,6 +1,6 @@
 """Prefix-aware routing, when several hosts serve a model: a job whose prompt begins with what
 one host ran lately goes to that host's queue, where its runner's prompt cache holds the prefix
-(exo_tasks.prompt_cache), unless that host is saturated. The map from prefixes to hosts is a
+(exo_tasks.runner.prompt_cache), unless that host is saturated. The map from prefixes to hosts is a
 hint kept in Redis for EXO_PREFIX_ROUTING_TTL_S: a host that evicted the prefix since costs one
 cache miss, never a wrong answer.
 

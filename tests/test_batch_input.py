@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from exo_tasks.batch_input import check, read_line
-from exo_tasks.batch_types import window_seconds
+from exo_tasks.batch.input import check, read_line
+from exo_tasks.batch.types import window_seconds
 
 URL = "/v1/chat/completions"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import openai
 
-from exo_tasks.batch_jobs import line_job_id
+from exo_tasks.batch.jobs import line_job_id
 from exo_tasks.store import Store
 from tests.support.api import api_settings, serving
 from tests.support.batches import chat_line, read_file, start, wait_status

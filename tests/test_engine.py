@@ -10,9 +10,9 @@ import pytest
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from exo_tasks import sampling
-from exo_tasks.engine import BatchEngine
-from exo_tasks.engine_lane import TokenDelta
+from exo_tasks.runner import sampling
+from exo_tasks.runner.engine import BatchEngine
+from exo_tasks.runner.lane import TokenDelta
 from exo_tasks.types import ChatMessage, SamplingParams
 
 PROMPTS = [

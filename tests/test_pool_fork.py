@@ -13,7 +13,7 @@ import time
 from celery.signals import worker_process_init
 
 from exo_tasks.celery_app import ExoCelery
-from exo_tasks.worker import create_worker_app
+from exo_tasks.worker.app import create_worker_app
 from tests.support.api import api_settings
 from tests.support.processes import RedisServer
 

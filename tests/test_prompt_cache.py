@@ -10,9 +10,9 @@ from typing import Any
 import mlx_lm
 import pytest
 
-from exo_tasks.engine import BatchEngine
-from exo_tasks.engine_lane import HOLD_MIN_TOKENS
-from exo_tasks.prompt_cache import PromptCache
+from exo_tasks.runner.engine import BatchEngine
+from exo_tasks.runner.lane import HOLD_MIN_TOKENS
+from exo_tasks.runner.prompt_cache import PromptCache
 from exo_tasks.types import SamplingParams
 
 SYSTEM = "You are a terse assistant who answers in one line, 世界 😀 café. " * 12
@@ -163,7 +163,7 @@ def _entries(cache: PromptCache) -> list[list[Any]]:
 
 
 def test_a_job_waits_only_for_a_prefix_worth_waiting_for() -> None:
-    from exo_tasks.engine_lane import LaneJob
+    from exo_tasks.runner.lane import LaneJob
 
     def job(prompt: list[int], cached: int = 0) -> LaneJob:
         made = LaneJob("j", prompt, {}, None, [], None, None, None)

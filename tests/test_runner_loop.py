@@ -9,13 +9,13 @@ from typing import Any, cast
 
 import pytest
 
-from exo_tasks import intake
-from exo_tasks import runner as runner_module
 from exo_tasks.commands import StopRunner, SubmitJob
-from exo_tasks.engine_lane import EngineFinish, TokenDelta
 from exo_tasks.fleet_types import RunnerStatus
-from exo_tasks.runner import Runner
-from exo_tasks.runner_process import RunnerProgress, RunnerSpec
+from exo_tasks.runner import intake
+from exo_tasks.runner import loop as runner_module
+from exo_tasks.runner.lane import EngineFinish, TokenDelta
+from exo_tasks.runner.loop import Runner
+from exo_tasks.runner.process import RunnerProgress, RunnerSpec
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, SamplingParams, TokenEvent
 

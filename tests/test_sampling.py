@@ -11,8 +11,8 @@ import pytest
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from exo_tasks.engine import BatchEngine
-from exo_tasks.toolcalls import ToolCallSplitter
+from exo_tasks.runner.engine import BatchEngine
+from exo_tasks.runner.toolcalls import ToolCallSplitter
 from exo_tasks.types import ChatMessage, SamplingParams
 from exo_tasks.wire import Tool
 from tests.support.toolmodel import CALL, create_tool_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import time
 
-from exo_tasks.runner_process import RunnerProgress
-from exo_tasks.supervision import exit_cause, restart_backoff_s
+from exo_tasks.runner.process import RunnerProgress
+from exo_tasks.worker.supervision import exit_cause, restart_backoff_s
 
 
 def test_exit_causes_use_exos_wording() -> None:

@@ -1,5 +1,5 @@
 """OpenAI's Batch API: create a batch from an uploaded file, read it, list batches, cancel one.
-The API only records the batch; the feeder on a worker drives it (exo_tasks.batch_feeder)."""
+The API only records the batch; the feeder on a worker drives it (exo_tasks.batch.feeder)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from flask import Blueprint, Response, jsonify
 from exo_tasks.api.context import ctx
 from exo_tasks.api.files import page_args
 from exo_tasks.api.http import json_body
-from exo_tasks.batch_jobs import cancel_inflight
-from exo_tasks.batch_types import Batch, BatchCreate, BatchList, window_seconds
+from exo_tasks.batch.jobs import cancel_inflight
+from exo_tasks.batch.types import Batch, BatchCreate, BatchList, window_seconds
 from exo_tasks.errors import Conflict, InvalidRequest, NotFound
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")

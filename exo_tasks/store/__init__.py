@@ -6,7 +6,7 @@
 - `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes, the
   prefix-to-host map.
 - `metrics`: metric persistence.
-- `files`, `batches`: OpenAI's Files and Batch API (exo_tasks.batch_feeder drives batches).
+- `files`, `batches`: OpenAI's Files and Batch API (exo_tasks.batch.feeder drives batches).
 kombu's own layout (queues, unacknowledged messages) is exo_tasks.broker's alone.
 """
 

@@ -1,5 +1,5 @@
 """Batches (OpenAI's Batch API) in Redis: each batch's record, and while it runs the parts its
-feeder keeps (exo_tasks.batch_feeder): where each request is in the input file, which lines
+feeder keeps (exo_tasks.batch.feeder): where each request is in the input file, which lines
 are jobs now, and how each line ended.
 
 Exactly once: a line's result is written with HSETNX, so however often a feeder that was
@@ -8,7 +8,7 @@ killed goes over the same line again, the line has one result and is counted onc
 
 from __future__ import annotations
 
-from exo_tasks.batch_types import Batch, BatchStatus, RequestCounts
+from exo_tasks.batch.types import Batch, BatchStatus, RequestCounts
 from exo_tasks.store.client import RedisPart
 from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key, job_key
 from exo_tasks.types import JobRecord

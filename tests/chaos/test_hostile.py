@@ -19,11 +19,11 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exo_tasks import sampling
 from exo_tasks.commands import SubmitJob
 from exo_tasks.fleet_types import HostState
-from exo_tasks.runner import Runner
-from exo_tasks.runner_process import RunnerProgress, RunnerSpec
+from exo_tasks.runner import sampling
+from exo_tasks.runner.loop import Runner
+from exo_tasks.runner.process import RunnerProgress, RunnerSpec
 from exo_tasks.store import events_key, job_key, redis_waits, runner_key
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
 from tests.conftest import Stack, runner_state

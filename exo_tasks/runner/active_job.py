@@ -8,12 +8,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from exo_tasks import metrics
-from exo_tasks.outbox import Outbox
+from exo_tasks.runner.outbox import Outbox
 from exo_tasks.types import FinishReason, JobRecord, JobStatus, TokenEvent, utcnow
 from exo_tasks.wire import TokenLogprob, ToolCall
 
 if TYPE_CHECKING:  # the engine imports MLX
-    from exo_tasks.engine_lane import TokenDelta
+    from exo_tasks.runner.lane import TokenDelta
 
 # How a job ends: (status, finish reason, error).
 Ending = tuple[JobStatus, FinishReason | None, str | None]

@@ -3,7 +3,7 @@
 It loads the model once, warms it up, then serves every job handed to it through one
 continuous-batching loop; what it owes Redis goes through its outbox. Commands arrive on its
 Redis inbox (read by a thread into a local queue, so the loop never waits on the network). Its
-process (spec, entry point, exit codes) is `exo_tasks.runner_process`.
+process (spec, entry point, exit codes) is `exo_tasks.runner.process`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from collections.abc import Callable
 
 import redis
 
-from exo_tasks import intake, lifecycle, metrics
-from exo_tasks.active_job import ActiveJob, take_step
+from exo_tasks import lifecycle, metrics
 from exo_tasks.commands import CancelJob, StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
-from exo_tasks.keep_alive import KeepAlive
-from exo_tasks.outbox import Occupancy, Outbox
-from exo_tasks.runner_process import (
+from exo_tasks.runner import intake
+from exo_tasks.runner.active_job import ActiveJob, take_step
+from exo_tasks.runner.keep_alive import KeepAlive
+from exo_tasks.runner.outbox import Occupancy, Outbox
+from exo_tasks.runner.process import (
     EXIT_CONFIG,
     EXIT_UNLOADED,
     ConfigError,

@@ -1,5 +1,5 @@
 """One lane of the batching engine: a BatchGenerator, the thread that drives it, and the jobs in
-it, from the moment they wait to join it until their last token (`exo_tasks.engine` steps the
+it, from the moment they wait to join it until their last token (`exo_tasks.runner.engine` steps the
 lanes together).
 
 A job waits in its lane until the generator has room to prefill it, and only then looks up its
@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
-from exo_tasks.prompt_cache import Lookup, PromptCache
-from exo_tasks.toolcalls import ToolCallSplitter, held_back
+from exo_tasks.runner.prompt_cache import Lookup, PromptCache
+from exo_tasks.runner.toolcalls import ToolCallSplitter, held_back
 from exo_tasks.types import TokenEvent
 from exo_tasks.wire import TokenLogprob, ToolCall
 

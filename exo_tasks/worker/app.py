@@ -1,7 +1,7 @@
 """The worker: one `celery worker` per host, with the runner supervisor as a bootstep.
 
 `exo-tasks worker` builds its app from the settings it is given (`main`); `celery -A
-exo_tasks.worker worker` and Flower load `app`, built from the environment on first use.
+exo_tasks.worker.app worker` and Flower load `app`, built from the environment on first use.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import batch_process, jobs, recovery, revocation
+from exo_tasks import jobs, recovery
+from exo_tasks.batch import process as batch_process
 from exo_tasks.broker import Broker, close_every_channel
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.fleet_types import HostState
 from exo_tasks.logs import configure_logging
 from exo_tasks.naming import host_queue, model_queue, model_slug, node_name
-from exo_tasks.supervisor import RunnerSupervisor
 from exo_tasks.types import utcnow
+from exo_tasks.worker import revocation
+from exo_tasks.worker.supervisor import RunnerSupervisor
 
 log = logging.getLogger("exo_tasks.worker")
 
@@ -130,13 +132,13 @@ def create_worker_app(settings: Settings) -> ExoCelery:
 
 @functools.cache
 def default_app() -> ExoCelery:
-    """The app for `celery -A exo_tasks.worker` and Flower: built from the environment's
+    """The app for `celery -A exo_tasks.worker.app` and Flower: built from the environment's
     settings on first use, not at import."""
     return create_worker_app(Settings())
 
 
 def __getattr__(name: str) -> Any:
-    # `celery -A exo_tasks.worker` and `from exo_tasks.worker import app` read `app`.
+    # `celery -A exo_tasks.worker.app` and `from exo_tasks.worker.app import app` read `app`.
     if name == "app":
         return default_app()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,7 @@ from exo_tasks.types import JobRecord, JobRequest, JobStatus
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from exo_tasks.runner_process import Engine
+    from exo_tasks.runner.process import Engine
 
 log = logging.getLogger("exo_tasks.runner")
 INBOX_POLL_S = 1.0

@@ -1,17 +1,12 @@
 """A runner's process: what the supervisor hands it (the spec), what the two share (the progress
-array), how it builds its engine, how it exits, and its entry point. The batching loop itself is
-`exo_tasks.runner`.
+array), how it builds its engine and reads its inbox, and its exit codes. The batching loop is
+`exo_tasks.runner.loop`; the spawned process's entry point, `exo_tasks.runner.main`.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
-import signal
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,14 +15,13 @@ from pydantic import BaseModel
 
 from config.settings import Settings
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
-from exo_tasks.logs import configure_logging
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
     from tokenizers import Tokenizer
 
-    from exo_tasks.engine_lane import TokenDelta
+    from exo_tasks.runner.lane import TokenDelta
     from exo_tasks.types import ChatMessage, SamplingParams
     from exo_tasks.wire import Tool
 
@@ -128,7 +122,7 @@ class RunnerProgress:
 
 
 class Engine(Protocol):
-    """What the runner's loop needs of a batching engine (`exo_tasks.engine.BatchEngine`)."""
+    """What the runner's loop needs of a batching engine (`exo_tasks.runner.engine.BatchEngine`)."""
 
     @property
     def lanes(self) -> int: ...
@@ -171,7 +165,7 @@ def load_engine(spec: RunnerSpec) -> Engine:
     """Load the spec's model into a batching engine (not yet warmed up)."""
     import mlx_lm
 
-    from exo_tasks.engine import BatchEngine
+    from exo_tasks.runner.engine import BatchEngine
 
     check_model_path(spec.model_path)
     loaded = mlx_lm.load(spec.model_path)
@@ -184,33 +178,3 @@ def load_engine(spec: RunnerSpec) -> Engine:
         lanes=spec.lanes,
         prompt_cache_bytes=spec.prompt_cache_bytes,
     )
-
-
-def main(spec_json: str, progress_array: Any) -> None:
-    """Entry point of the spawned runner process."""
-    from exo_tasks.runner import Runner  # the loop's module imports this one
-
-    spec = RunnerSpec.model_validate_json(spec_json)
-    # Our own process group: a signal sent to the worker's group (honcho, a terminal's Ctrl-C)
-    # must not reach the runner; the supervisor decides when it stops.
-    os.setpgid(0, 0)
-    configure_logging(spec.log_level, runner=spec.runner_id, host=spec.host)
-    _exit_with_parent()
-    runner = Runner(spec, RunnerProgress(progress_array))
-    signal.signal(signal.SIGTERM, lambda *_: runner.on_sigterm())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.exit(runner.run())
-
-
-def _exit_with_parent() -> None:
-    """Leave at once if the worker dies (SIGKILL included), so no model stays resident."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        log.error("worker process %s is gone; runner exits", parent.pid)
-        os._exit(70)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -10,7 +10,7 @@ through the job service as `POST /v1/jobs/<id>/cancel` does: a queued job never 
 one ends at its runner's next step with its partial text, its model and its pool child spared.
 The id is only flagged for Celery (a message not started yet is then dropped), whatever signal
 was asked for. Any other id goes to Celery's revoke as sent. The task then ends `REVOKED`
-(exo_tasks.task_states). Every worker gets the command; cancelling is idempotent."""
+(exo_tasks.worker.task_states). Every worker gets the command; cancelling is idempotent."""
 
 from __future__ import annotations
 

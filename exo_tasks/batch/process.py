@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from config.settings import Settings
-from exo_tasks.batch_feeder import BatchFeeder
+from exo_tasks.batch.feeder import BatchFeeder
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.logs import configure_logging
 

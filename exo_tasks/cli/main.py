@@ -14,8 +14,10 @@ from typing import Any
 from annotated_types import Ge, Le
 
 from config.settings import Settings
-from exo_tasks import cli_batch, cli_jobs
-from exo_tasks.client import ApiClient
+from exo_tasks.cli import batch as cli_batch
+from exo_tasks.cli import jobs as cli_jobs
+from exo_tasks.cli.client import ApiClient
+from exo_tasks.cli.table import table
 from exo_tasks.errors import ExoError
 from exo_tasks.logs import configure_logging
 from exo_tasks.types import MAX_LIST_LIMIT, JobStatus
@@ -66,9 +68,9 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
         # stops (and before honcho's SIGKILL).
         settings = settings.model_copy(update={"worker_soft_shutdown_s": settings.stack_drain_s})
     wait_for_redis(settings.effective_redis_url)
-    from exo_tasks import worker
+    from exo_tasks.worker import app as worker_app
 
-    worker.main(settings, args.concurrency)
+    worker_app.main(settings, args.concurrency)
 
 
 def cmd_flower(settings: Settings, _: argparse.Namespace) -> None:
@@ -108,14 +110,6 @@ def _client(settings: Settings) -> ApiClient:
 
 def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
     cli_jobs.submit(_client(settings), args)
-
-
-def table(headers: list[str], rows: list[list[Any]]) -> str:
-    """Aligned columns; None shows as '-'."""
-    cells = [headers, *[["-" if v is None else str(v) for v in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 # What each listing shows: its route, its columns, and one row per item.

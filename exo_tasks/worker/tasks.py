@@ -15,7 +15,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
 
-from exo_tasks import jobs, lifecycle, limits, prefix_routing, task_states
+from exo_tasks import jobs, lifecycle, limits, prefix_routing
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
     LOAD_RUNNER_TASK,
@@ -33,8 +33,9 @@ from exo_tasks.errors import ExoError, RunnerGone
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.naming import host_of_queue, runner_id_for
 from exo_tasks.store import Store
-from exo_tasks.supervision import KILL_WAIT_S, TERM_WAIT_S
 from exo_tasks.types import JobEnding, JobRecord, JobStatus, RequeuedEvent
+from exo_tasks.worker import task_states
+from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
 
 log = logging.getLogger("exo_tasks.tasks")
 # The wait for a job's ending is cut into slices, to check on its runner and report progress.

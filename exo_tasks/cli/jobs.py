@@ -14,7 +14,7 @@ from typing import Any
 
 from annotated_types import Ge, Gt, Le, Lt
 
-from exo_tasks.client import ACTIVE_STATUSES, ApiClient
+from exo_tasks.cli.client import ACTIVE_STATUSES, ApiClient
 from exo_tasks.errors import ExoError
 from exo_tasks.types import MAX_STOP_STRINGS, JobRequest, Priority
 

@@ -22,11 +22,11 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from tokenizers import Tokenizer
 
-from exo_tasks import sampling
-from exo_tasks.engine_lane import Advance, EngineFinish, Lane, LaneJob, TokenDelta
-from exo_tasks.lane_threads import LaneThread, run_here
-from exo_tasks.prompt_cache import PromptCache
-from exo_tasks.toolcalls import ToolCallSplitter, template_message
+from exo_tasks.runner import sampling
+from exo_tasks.runner.lane import Advance, EngineFinish, Lane, LaneJob, TokenDelta
+from exo_tasks.runner.lane_threads import LaneThread, run_here
+from exo_tasks.runner.prompt_cache import PromptCache
+from exo_tasks.runner.toolcalls import ToolCallSplitter, template_message
 from exo_tasks.types import ChatMessage, SamplingParams
 from exo_tasks.wire import TokenLogprob, Tool, ToolCall
 

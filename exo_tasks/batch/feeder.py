@@ -1,6 +1,6 @@
 """The batch feeder: drives every open batch, from validation to its output files.
 
-It runs in a process of its own beside each worker (exo_tasks.batch_process), one at a time
+It runs in a process of its own beside each worker (exo_tasks.batch.process), one at a time
 (a lease in Redis, taken over within seconds when its holder dies), and keeps nothing in memory
 that Redis does not have: a feeder that was killed anywhere is continued by the next holder, and
 every step is one it can repeat. A line runs as a job whose id follows from the line, sent
@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from exo_tasks import batch_input, jobs, metrics
-from exo_tasks.batch_jobs import cancel_inflight, line_job_id
-from exo_tasks.batch_results import ENDPOINTS, LineResults, succeeded
-from exo_tasks.batch_types import (
+from exo_tasks import jobs, metrics
+from exo_tasks.batch import input as batch_input
+from exo_tasks.batch.jobs import cancel_inflight, line_job_id
+from exo_tasks.batch.results import ENDPOINTS, LineResults, succeeded
+from exo_tasks.batch.types import (
     Batch,
     BatchErrors,
     BatchStatus,
@@ -89,7 +90,7 @@ class BatchFeeder:
         self._closing.set()
 
     def run(self) -> None:
-        """Tick until stopped, holding the feeder's lease (exo_tasks.batch_process runs this)."""
+        """Tick until stopped, holding the feeder's lease (exo_tasks.batch.process runs this)."""
         try:
             self._run()
         finally:

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from exo_tasks.batch_types import BatchError
+from exo_tasks.batch.types import BatchError
 
 # An input with many bad lines reports the first ones only.
 MAX_REPORTED_ERRORS = 50

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from config.settings import Settings
-from exo_tasks.batch_types import BATCH_ENDED
-from exo_tasks.client import ApiClient
+from exo_tasks.batch.types import BATCH_ENDED
+from exo_tasks.cli.client import ApiClient
+from exo_tasks.cli.table import table
 from exo_tasks.errors import ExoError
 
 POLL_S = 1.0
@@ -111,8 +112,6 @@ def _save(client: BatchClient, batch: dict[str, Any], output: Path) -> None:
 
 
 def cmd_list(client: BatchClient, args: argparse.Namespace) -> None:
-    from exo_tasks.cli import table
-
     listed = client.api.call("GET", "/v1/batches", limit=args.limit)["data"]
     rows = [
         [

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
-from exo_tasks import runner_process
 from exo_tasks.commands import StopRunner
+from exo_tasks.runner import process as runner_process
 
 # Called with (model, serving?) when a runner stops or starts serving on purpose.
 ServingCallback = Callable[[str, bool], None]

@@ -10,8 +10,8 @@ from flask import Flask
 
 from exo_tasks.api import errors
 from exo_tasks.api.openai import ChatRenderer, Renderer, TextRenderer, _failure
-from exo_tasks.batch_jobs import line_job_id
-from exo_tasks.batch_types import Batch, LineError, LineResponse, ResultLine
+from exo_tasks.batch.jobs import line_job_id
+from exo_tasks.batch.types import Batch, LineError, LineResponse, ResultLine
 from exo_tasks.openai_types import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from exo_tasks.types import JobRecord, JobStatus
 

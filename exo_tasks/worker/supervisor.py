@@ -21,11 +21,14 @@ from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
 from config.settings import Settings
-from exo_tasks import metrics, runner_process
+from exo_tasks import metrics
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.runner import main as runner_main
+from exo_tasks.runner import process as runner_process
 from exo_tasks.store import Store
-from exo_tasks.supervision import (
+from exo_tasks.types import utcnow
+from exo_tasks.worker.supervision import (
     HEALTHY_UPTIME_S,
     KILL_WAIT_S,
     TERM_WAIT_S,
@@ -35,7 +38,6 @@ from exo_tasks.supervision import (
     exit_cause,
     restart_backoff_s,
 )
-from exo_tasks.types import utcnow
 
 log = logging.getLogger("exo_tasks.supervisor")
 WATCH_INTERVAL_S = 0.1
@@ -92,7 +94,7 @@ class RunnerSupervisor:
         )
         handle.progress = runner_process.RunnerProgress.create(_spawn)
         process = _spawn.Process(
-            target=runner_process.main,
+            target=runner_main.main,
             args=(spec.model_dump_json(), handle.progress.array),
             name=f"runner {spec.runner_id}",
         )

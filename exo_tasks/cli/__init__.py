@@ -1,0 +1,8 @@
+"""The `exo-tasks` command (`main`): run the stack or one of its processes, make models, and
+submit, follow and list work through the HTTP API.
+
+- `main`: the parser and the stack's commands; `jobs`: `submit` and `cancel`; `batch`:
+  `exo-tasks batch ...`; `client`: the API client; `table`: listings as aligned columns.
+"""
+
+__all__ = ["batch", "client", "jobs", "main", "table"]

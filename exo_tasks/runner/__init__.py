@@ -1,0 +1,30 @@
+"""The runner: one process per (host, model), the single owner of a loaded model.
+
+- `main`: the spawned process's entry point; `process`: its spec, the progress it shares with
+  the supervisor, its engine factory and exit codes; `loop`: the batching loop (commands,
+  admission, steps, expiry, stopping); `intake`: its inbox read by a thread of its own, a prompt
+  over the token cap for certain refused there.
+- `active_job`, `outbox`: a job in the batch, and what the runner owes Redis.
+- `engine`, `lane`, `lane_threads`: continuous batching over mlx-lm's `BatchGenerator`.
+- `sampling`, `prompt_cache`, `toolcalls`, `keep_alive`: a job's own sampling, the prompt
+  cache, tool calls out of streamed text, when an idle runner unloads.
+
+Only the runner process imports `engine`, `lane` and `sampling` (they load MLX); the worker's
+main process imports `main` and `process` to spawn it.
+"""
+
+__all__ = [
+    "active_job",
+    "engine",
+    "intake",
+    "keep_alive",
+    "lane",
+    "lane_threads",
+    "loop",
+    "main",
+    "outbox",
+    "process",
+    "prompt_cache",
+    "sampling",
+    "toolcalls",
+]
