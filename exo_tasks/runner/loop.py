@@ -49,10 +49,9 @@ IDLE_WAIT_S = 0.5
 GATHER_GAP_S = 0.05
 GATHER_STEP_SHARE = 0.25
 GATHER_MAX_S = 0.25
-# The most time one round spends on commands (and the one under way) before the batch steps:
-# a flood of submissions is taken over many rounds, never at the batch's expense. A prompt of
-# EXO_MAX_PROMPT_CHARS (100,000) takes 20-80 ms to tokenize on a 2-core CPU; refused 150 in a
-# row, they held the batch back for 5 s and the stall watchdog killed the runner.
+# The most time one round spends on commands (and the one under way) before the batch steps.
+# 100,000 characters take 70-120 ms to tokenize here (2-core CPU): 150 such prompts refused in
+# a row held the batch back for 5 s, and the stall watchdog killed the runner.
 COMMANDS_BUDGET_S = 0.05
 
 
