@@ -1,4 +1,5 @@
-"""The Celery configuration, built from Settings (see PITFALLS.md for why each line is here)."""
+"""The Celery configuration, built from Settings; the reasons for what is not Celery's default
+are beside it."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "accept_content": ["json"],
         "result_accept_content": ["json"],
         "result_expires": settings.job_ttl_s,
-        # Long jobs: acknowledge after the task ran, take one message at a time.
+        # Long jobs: acknowledge after the task ran, take one message at a time; a message
+        # whose pool child died goes back to its queue at once.
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,

@@ -35,6 +35,12 @@ class Settings(BaseSettings):
     api_io_timeout_s: float = Field(
         30.0, gt=0, description="A stalled read or write on a request being served (then closed)."
     )
+    api_body_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a client may take to send a request's whole body, from the end "
+        "of its head (then 408): a body trickled a byte a second never stalls a read.",
+    )
     max_streams: int = Field(
         2000,
         ge=1,

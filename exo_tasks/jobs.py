@@ -18,7 +18,7 @@ from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
 from exo_tasks.errors import Conflict, NotFound, QueueFull
 from exo_tasks.fleet import Fleet
-from exo_tasks.naming import find_model, host_queue, model_queue
+from exo_tasks.naming import find_model, host_queue, model_queue, model_slug
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
@@ -44,9 +44,14 @@ def resolve_model(fleet: Fleet, settings: Settings, requested: str | None) -> st
     served = fleet.models
     model = find_model(name, served)
     if model is None:
+        # The default model by its slug: its path is the server's business, not the client's.
+        named = (
+            f"model '{name}'"
+            if requested is not None
+            else f"the default model '{model_slug(name)}'"
+        )
         raise NotFound(
-            f"model '{name}' is not served by any live host; served models: "
-            f"{', '.join(served) or 'none'}",
+            f"{named} is not served by any live host; served models: {', '.join(served) or 'none'}",
             {"field": "model", "served_models": served},
         )
     return model

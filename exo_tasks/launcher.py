@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from config.settings import Settings
 from exo_tasks.errors import ExoError
 from exo_tasks.lifeline import die_with_parent, still_running
+from exo_tasks.redis_auth import private_dir, write_private
 
 log = logging.getLogger("exo_tasks.launcher")
 PROCFILE = Path(__file__).resolve().parent.parent / "Procfile"
@@ -293,9 +294,9 @@ class Launcher:
             launcher=RecordedProcess.of("launcher", psutil.Process()),
             processes=[RecordedProcess.of(m.name, m.process) for m in self.members],
         )
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         partial = path.with_suffix(".tmp")
-        partial.write_text(record.model_dump_json(indent=1))
+        write_private(partial, record.model_dump_json(indent=1))
         partial.replace(path)
 
     def _watch(self) -> None:

@@ -1,6 +1,8 @@
-"""The job state machine: which status a job may move to from which, and the record and event
-each move writes. Pure (no Redis, no MLX): the store executes a `Move` with one compare-and-set,
-so the first of the runner, the task, the recovery loop or a cancel to move a job wins.
+"""The state machines as data: which status a job, or a runner, may move to from which.
+
+The job's: the record and event each move writes. Pure (no Redis, no MLX): the store executes a
+`Move` with one compare-and-set, so the first of the runner, the task, the recovery loop or a
+cancel to move a job wins.
 
     queued ──hand-over──▶ running ──▶ succeeded | failed | cancelled | timed_out
       ▲                      │
@@ -11,9 +13,11 @@ so the first of the runner, the task, the recovery loop or a cancel to move a jo
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.types import (
     FinishReason,
     JobEvent,
@@ -23,6 +27,7 @@ from exo_tasks.types import (
     utcnow,
 )
 
+log = logging.getLogger("exo_tasks.lifecycle")
 QUEUED, RUNNING = JobStatus.QUEUED, JobStatus.RUNNING
 ENDINGS = frozenset(s for s in JobStatus if s.is_terminal)
 
@@ -174,3 +179,55 @@ def ending_event(job: JobRecord) -> Literal["done", "error"]:
 def cancel_status(reason: Literal["cancelled", "time_limit"]) -> JobStatus:
     """How a job a runner is told to drop ends: a time limit is `timed_out`."""
     return JobStatus.TIMED_OUT if reason == "time_limit" else JobStatus.CANCELLED
+
+
+# --- the runner: one life per process, from its spawn to its process's end ---
+#
+#   WaitingForModel ─▶ Loading ─▶ Loaded ─▶ WarmingUp ─▶ Ready ⇄ Running
+#   Ready | Running ─▶ ShuttingDown ─▶ Shutdown      Ready ─▶ Unloaded (idle)
+#   any ─▶ Failed      (a crash, a hang, its host gone: its supervisor or the recovery loop says so)
+#
+# A spawn begins a new life (`spawned_runner`), whatever the last one left in Redis.
+
+RS = RunnerStatus
+# Its process has ended (or is ending): only the supervisor or the recovery loop speaks for it
+# now, and only a spawn brings it back.
+RUNNER_ENDINGS = frozenset({RS.UNLOADED, RS.SHUTDOWN, RS.FAILED})
+RUNNER_TRANSITIONS: dict[RunnerStatus, frozenset[RunnerStatus]] = {
+    RS.WAITING_FOR_MODEL: frozenset({RS.LOADING, RS.FAILED}),
+    RS.LOADING: frozenset({RS.LOADED, RS.FAILED}),
+    RS.LOADED: frozenset({RS.WARMING_UP, RS.FAILED}),
+    RS.WARMING_UP: frozenset({RS.READY, RS.FAILED}),
+    RS.READY: frozenset({RS.RUNNING, RS.SHUTTING_DOWN, RS.UNLOADED, RS.FAILED}),
+    RS.RUNNING: frozenset({RS.READY, RS.SHUTTING_DOWN, RS.FAILED}),
+    RS.SHUTTING_DOWN: frozenset({RS.SHUTDOWN, RS.FAILED}),
+    # Stopped on purpose while unloaded; or its host went, or it crashed as it unloaded.
+    RS.UNLOADED: frozenset({RS.SHUTDOWN, RS.FAILED}),
+    # It said Shutdown, then its process did not exit cleanly after all.
+    RS.SHUTDOWN: frozenset({RS.FAILED}),
+    # Stopped on purpose while it waited for its restart.
+    RS.FAILED: frozenset({RS.SHUTDOWN}),
+}
+RUNNER_BORN = RS.WAITING_FOR_MODEL
+
+
+def spawned_runner(runner_id: str, host: str, model: str, **fields: Any) -> RunnerState:
+    """A runner's record as its process is spawned: a new life."""
+    return RunnerState(id=runner_id, host=host, model=model, status=RUNNER_BORN, **fields)
+
+
+def may_move_runner(current: RunnerStatus, to: RunnerStatus) -> bool:
+    """Whether the table allows it; publishing the status a runner has is no move."""
+    return to == current or to in RUNNER_TRANSITIONS[current]
+
+
+def move_runner(state: RunnerState, to: RunnerStatus, **changes: Any) -> RunnerState | None:
+    """`state` moved to `to`, with `changes`; None if the table has no such move, logged (the
+    writer goes on: a wrong status is no reason to crash a runner or its supervisor)."""
+    if not may_move_runner(state.status, to):
+        log.error(
+            "runner status change refused",
+            extra={"runner": state.id, "host": state.host, "status": state.status, "to": to},
+        )
+        return None
+    return state.model_copy(update={**changes, "status": to})

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import redis
 
+from exo_tasks import lifecycle
 from exo_tasks.broker import Broker, Messages
 from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
 from exo_tasks.naming import host_of_queue, node_name
@@ -262,12 +263,14 @@ class Recovery:
             if runner.host in live_hosts or runner.is_down:
                 continue
             error = f"host {node_name(runner.host)} gone (no heartbeat)"
-            update = {
-                "status": RunnerStatus.FAILED,
-                "error": error,
-                "active_jobs": 0,
-                "next_restart_at": None,
-                "updated_at": utcnow(),
-            }
-            self.store.publish_runner(runner.model_copy(update=update))
-            log.error("runner marked failed", extra={"runner": runner.id, "error": error})
+            failed = lifecycle.move_runner(
+                runner,
+                RunnerStatus.FAILED,
+                error=error,
+                active_jobs=0,
+                next_restart_at=None,
+                updated_at=utcnow(),
+            )
+            if failed is not None:
+                self.store.publish_runner(failed)
+                log.error("runner marked failed", extra={"runner": runner.id, "error": error})

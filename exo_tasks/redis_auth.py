@@ -1,5 +1,6 @@
 """The embedded Redis's password: made at its first start, kept in a file only the stack's user
-can read, and never on a command line (every local user sees those in `ps`)."""
+can read, and never on a command line (every local user sees those in `ps`). Its directory,
+which also holds the AOF (every prompt and output), is the stack's user's alone."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ def redis_password(redis_dir: Path) -> str:
     """The password in `redis_dir`, made if missing. Every process of a stack starting at once
     gets the same one: it is written aside and linked into place, which only one can do."""
     path = redis_dir / PASSWORD_FILE
+    private_dir(redis_dir)
     if not path.exists():
-        redis_dir.mkdir(parents=True, exist_ok=True)
         draft = redis_dir / f".{PASSWORD_FILE}.{os.getpid()}"
-        _write_private(draft, secrets.token_urlsafe(32))
+        write_private(draft, secrets.token_urlsafe(32))
         with contextlib.suppress(FileExistsError):  # another process was first: use its
             os.link(draft, path)
         draft.unlink()
@@ -29,11 +30,19 @@ def redis_password(redis_dir: Path) -> str:
 def redis_auth_conf(redis_dir: Path) -> Path:
     """A config file for redis-server that sets the password (`requirepass`)."""
     path = redis_dir / CONF_FILE
-    _write_private(path, f"requirepass {redis_password(redis_dir)}\n")
+    write_private(path, f"requirepass {redis_password(redis_dir)}\n")
     return path
 
 
-def _write_private(path: Path, text: str) -> None:
+def private_dir(path: Path) -> Path:
+    """`path`, a directory only this user can enter (0700), made if missing; one made before
+    with the umask's mode (0755) is closed too."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def write_private(path: Path, text: str) -> None:
     """Write `text` to `path`, readable by this user alone from the first byte."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as file:

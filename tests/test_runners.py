@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from tests.conftest import Stack
 from tests.support.api import api_settings, serving
 from tests.support.processes import Processes, free_port
@@ -63,3 +64,21 @@ def test_the_embedded_redis_listens_on_loopback_only_with_aof(stack: Stack) -> N
     config = stack.store.redis.config_get("*")
     assert config["bind"] == "127.0.0.1"
     assert config["appendonly"] == "yes"
+
+
+def test_loading_a_runner_on_a_host_with_no_live_worker_is_404_naming_it(stack: Stack) -> None:
+    """It was 202: a dead host's runner, left `Failed` in Redis, looked loadable, and the load
+    task waited in a queue no worker reads."""
+    dead = RunnerState(
+        id="tiny@gone-host", host="gone-host", model="tiny", status=RunnerStatus.FAILED
+    )
+    stack.store.publish_runner(dead)
+    for host in ("gone-host", "never-was"):
+        response = stack.api.post("/v1/runners", json={"model": "tiny", "host": host})
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert error["details"] == {"field": "host"}
+        assert error["message"] == f"host '{host}' has no live worker"
+    # Nor is it picked when no host is named: the live host's runner is up, so 409.
+    response = stack.api.post("/v1/runners", json={"model": "tiny"})
+    assert response.status_code == 409 and "tiny@host-a" in response.json()["error"]["message"]

@@ -13,7 +13,7 @@ from exo_tasks.api import create_app
 from exo_tasks.api.models import SUMMARY_TEXT_CHARS, JobOptions, JobSummary
 from exo_tasks.types import JobRecord, JobRequest
 from tests.conftest import Stack
-from tests.support.api import api_settings
+from tests.support.api import api_settings, serving
 from tests.support.processes import free_port
 
 BAD_BODIES: list[tuple[dict[str, Any], str]] = [
@@ -64,13 +64,37 @@ def test_bad_job_bodies_are_422_naming_the_field(
         assert "exactly one of 'prompt' or 'messages'" in error["message"]
 
 
-def test_a_body_that_is_not_a_json_object_is_rejected(stack: Stack) -> None:
-    for data in ("not json", "[1, 2]", ""):
-        response = stack.api.post(
-            "/v1/jobs", data=data, headers={"Content-Type": "application/json"}
-        )
-        assert response.status_code == 422
-        assert "JSON object" in response.json()["error"]["message"]
+def test_a_body_that_cannot_be_read_is_400_and_one_not_an_object_422(stack: Stack) -> None:
+    """As the README says: input that cannot be parsed is 400 (it was 422), a wrong type 422."""
+    json_type = {"Content-Type": "application/json"}
+    unreadable = [
+        ("not json", json_type, "not valid JSON"),
+        ("", json_type, "not valid JSON"),
+        (b'{"prompt": "\xff"}', json_type, "not valid JSON"),  # not UTF-8
+        ('{"prompt": "a"}', {"Content-Type": "text/plain"}, "Content-Type: application/json"),
+        ('{"prompt": "a"}', {}, "Content-Type: application/json"),
+    ]
+    for data, headers, said in unreadable:
+        response = stack.api.post("/v1/jobs", data=data, headers=headers)
+        assert response.status_code == 400, (data, response.text)
+        assert said in response.json()["error"]["message"]
+    response = stack.api.post("/v1/jobs", data="[1, 2]", headers=json_type)
+    assert response.status_code == 422
+    assert "JSON object" in response.json()["error"]["message"]
+
+
+def test_the_default_models_404_names_it_by_its_slug_not_its_path(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A request that names no model gets the API's default one: its 404 showed the server's
+    path to it."""
+    private = tmp_path / "private-dir" / "house-model"
+    with serving(api_settings(stack.redis.url, [private])) as api:
+        response = api.post("/v1/jobs", json={"prompt": "a"})
+    assert response.status_code == 404
+    message = response.json()["error"]["message"]
+    assert "the default model 'house-model' is not served" in message
+    assert "private-dir" not in response.text
 
 
 def test_an_unknown_model_is_404_naming_the_served_models(stack: Stack) -> None:

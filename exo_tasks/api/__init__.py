@@ -29,6 +29,9 @@ from exo_tasks.celery_app import ExoCelery
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings()
     app = Flask("exo_tasks")
+    # `//v1//jobs` is no route (404 in the error shape), not a 308 with an HTML page and a
+    # Location built from whatever Host the client sent.
+    app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["exo"] = ApiContext(settings=settings, celery=ExoCelery(settings))
     errors.init_app(app)

@@ -10,17 +10,18 @@ from exo_tasks.api.context import ctx
 from exo_tasks.errors import Unauthorized
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-SCHEME = "Bearer "
+SCHEME = "bearer"
 
 
 def require_token() -> None:
     token = ctx().settings.api_token
     if token is None or request.path in OPEN_PATHS:
         return
-    given = request.headers.get("Authorization", "")
+    # The scheme is case-insensitive (RFC 9110 §11.1): `bearer` and `BEARER` are Bearer.
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
     # Constant time: how much of a guess matched must not show in the response time.
-    if not given.startswith(SCHEME) or not hmac.compare_digest(
-        given.removeprefix(SCHEME).encode(), token.get_secret_value().encode()
+    if scheme.lower() != SCHEME or not hmac.compare_digest(
+        credentials.lstrip(" ").encode(), token.get_secret_value().encode()
     ):
         raise Unauthorized("a valid 'Authorization: Bearer <token>' header is required")
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from urllib.parse import quote
 
 from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from exo_tasks.api.context import ctx
 from exo_tasks.batch.types import FileDeleted, FileList, FileObject
-from exo_tasks.errors import BadRequest, ExoError, InvalidRequest, NotFound
+from exo_tasks.errors import BadRequest, Conflict, ExoError, InvalidRequest, NotFound
 
 bp = Blueprint("files", __name__, url_prefix="/v1")
 # A multipart body holds the file and a little more: its part headers and the purpose field.
@@ -92,13 +93,32 @@ def file_content(file_id: str) -> Response:
     content = ctx().store.file_content(file_id)
     if content is None:  # deleted meanwhile
         raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
-    headers = {"Content-Disposition": f'attachment; filename="{meta.filename}"'}
+    headers = {"Content-Disposition": content_disposition(meta.filename)}
     return Response(content, mimetype="application/octet-stream", headers=headers)
+
+
+def content_disposition(filename: str) -> str:
+    """RFC 6266: the name as `filename*=UTF-8''…` (percent-encoded), and for old clients an
+    ASCII `filename` with `_` for anything else and for quotes, backslashes and controls. A
+    header must be Latin-1 (gunicorn answered 500 for `日本語.jsonl`), and a `"` in the name
+    ended the value and added parameters of the client's choosing."""
+    fallback = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)
+    encoded = quote(filename, safe="", errors="replace")
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{encoded}"
 
 
 @bp.delete("/files/<file_id>")
 def delete_file(file_id: str) -> Response:
-    if not ctx().store.delete_file(file_id):
+    """409 while a batch reads the file (the feeder fails a batch whose input goes anyway)."""
+    store = ctx().store
+    batch = store.open_batch_reading(file_id)
+    if batch is not None:
+        message = (
+            f"file '{file_id}' is the input of batch '{batch.id}', which is {batch.status}: "
+            "delete it once the batch has ended (or cancel the batch)"
+        )
+        raise Conflict(message, {"field": "file_id", "batch_id": batch.id})
+    if not store.delete_file(file_id):
         raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
     return jsonify(FileDeleted(id=file_id).model_dump(mode="json"))
 

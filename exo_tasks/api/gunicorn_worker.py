@@ -11,7 +11,8 @@ What the gthread worker of issue 18 protected against still holds:
   rest of its head, then gets 408 in the error shape (a trickled request line holds a greenlet
   for that long, never a thread);
 - every read and write on a socket times out after EXO_API_IO_TIMEOUT_S (a body sent slowly, a
-  client that stops reading its response);
+  client that stops reading its response), and a body must arrive whole within
+  EXO_API_BODY_TIMEOUT_S (exo_tasks.api.request_body);
 - a client that vanishes without a FIN: TCP_USER_TIMEOUT (EXO_API_IO_TIMEOUT_S) makes the kernel
   give up on data it cannot deliver, so a stream's keepalive (each second) fails within
   EXO_API_IO_TIMEOUT_S + 1 s and the stream is closed.
@@ -42,7 +43,7 @@ from gunicorn.workers.base_async import AsyncWorker
 from gunicorn.workers.ggevent import GeventWorker
 
 from config.settings import Settings
-from exo_tasks.api import arrivals
+from exo_tasks.api import arrivals, request_body
 from exo_tasks.api.models import HealthReply
 
 # Descriptors a worker needs beyond its connections: Redis, logs, the listening socket.
@@ -137,10 +138,13 @@ def raise_fd_limit(wanted: int) -> int:
 class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untyped
     """gunicorn's gevent worker with the header, I/O and vanished-client bounds above."""
 
+    wsgi: request_body.Wsgi
+
     def init_process(self) -> None:
         settings = Settings()
         self.header_timeout_s = settings.api_header_timeout_s
         self.io_timeout_s = settings.api_io_timeout_s
+        self.body_timeout_s = settings.api_body_timeout_s
         limit = raise_fd_limit(self.worker_connections + SPARE_FDS)
         if limit < self.worker_connections + SPARE_FDS:
             self.log.warning("open files limited to %d: fewer connections fit", limit)
@@ -153,6 +157,13 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
             arrivals.take_seat(self.arrivals_board, self.arrivals_seat)
         self._client = local()
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self.wsgi = request_body.bounded_bodies(self.wsgi, self.body_timeout_s, self._body_failed)
+
+    def _body_failed(self) -> None:
+        self._client.body_failed = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """SIGTERM: stop accepting, give requests in flight STOP_GRACE_S, then leave. Open
@@ -200,12 +211,17 @@ class StreamingWorker(GeventWorker):  # type: ignore[misc]  # gunicorn is untype
             yield
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
+        self._client.body_failed = False
         try:
-            return super().handle_request(listener_name, req, sock, addr)
+            handled = super().handle_request(listener_name, req, sock, addr)
         except TimeoutError as exc:  # the I/O timeout, or TCP_USER_TIMEOUT: expected, no trace
             self.log.warning("client gone (%s): connection closed", exc)
             # gunicorn closes a connection after EPIPE without logging a stack trace.
             raise BrokenPipeError(errno.EPIPE, "client gone") from exc
+        if self._client.body_failed:  # answered; what is left of its body is no request
+            _linger(sock)
+            raise StopIteration("the request's body failed: connection closed")
+        return handled
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
         if isinstance(exc, RequestTimeout):

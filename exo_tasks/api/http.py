@@ -9,19 +9,23 @@ from typing import Any
 from flask import Response, request, stream_with_context
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from exo_tasks import json_input
 from exo_tasks.errors import BadRequest, InvalidRequest
 
 KEEPALIVE = ": keepalive\n\n"
 
 
 def json_body(*, allow_empty: bool = False) -> dict[str, Any]:
-    """The request's JSON object; `allow_empty`: a missing body means `{}` (all defaults)."""
-    if not _whole_body() and allow_empty:
+    """The request's JSON object; `allow_empty`: a missing body means `{}` (all defaults).
+    A body that cannot be read (not JSON, not UTF-8, not sent as JSON, nested too deeply)
+    is 400; one that is read but holds a string that is not text is 422 naming the field."""
+    data = _whole_body()
+    if not data and allow_empty:
         return {}
-    try:
-        body = request.get_json(silent=True)
-    except RecursionError:  # Python's JSON parser recurses once per level
-        raise BadRequest("the body is nested too deeply", {"field": None}) from None
+    if not request.is_json:
+        message = "the body must be JSON, sent with Content-Type: application/json"
+        raise BadRequest(message, {"field": None})
+    body = json_input.parse(data)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object", {"field": None})
     return body

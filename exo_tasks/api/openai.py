@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel
@@ -20,28 +20,16 @@ from pydantic import BaseModel
 from exo_tasks import jobs, limits
 from exo_tasks.api import errors, streams
 from exo_tasks.api.context import ApiContext, ctx
-from exo_tasks.api.errors import openai_error_body
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
-from exo_tasks.errors import ExoError, NotFound, RunnerGone, Unavailable
+from exo_tasks.errors import ExoError, NotFound, Unavailable, openai_error_body
 from exo_tasks.fleet import is_down
 from exo_tasks.naming import find_model, runner_id_for
+from exo_tasks.openai_render import ChatRenderer, Renderer, Sent, TextRenderer, failure
 from exo_tasks.openai_types import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatLogprobs,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    Delta,
-    DeltaToolCall,
     ModelCard,
     ModelList,
-    OpenAIFinishReason,
     OpenAIRequest,
     openai_finish_reason,
 )
@@ -59,117 +47,6 @@ bp = Blueprint("openai", __name__, url_prefix="/v1")
 # A non-streaming request waits for its job's own time limits plus this, counted from submission.
 WAIT_SLACK_S = 10.0
 DONE = "data: [DONE]\n\n"
-
-
-@dataclass
-class Sent:
-    """What a stream has sent so far: where the next token's text and tool call start."""
-
-    chars: int = 0
-    calls: int = 0
-
-    def add(self, token: TokenEvent) -> None:
-        self.chars += len(token.text)
-        self.calls += len(token.tool_calls or [])
-
-
-class Renderer(Protocol):
-    """How one route shows a job: whole, or as the chunks of a stream."""
-
-    def whole(self, job: JobEnding) -> BaseModel: ...
-
-    def opening(self, job: JobRecord) -> list[BaseModel]: ...
-
-    def chunk(
-        self,
-        job: JobRecord,
-        token: TokenEvent | None,
-        finish: OpenAIFinishReason | None,
-        sent: Sent,
-    ) -> BaseModel: ...
-
-    def usage_chunk(self, job: JobEnding) -> BaseModel: ...
-
-
-def _header(job: JobEnding, prefix: str) -> dict[str, Any]:
-    """What every chunk of one answer repeats: its id, creation time and model."""
-    return {
-        "id": f"{prefix}-{job.id}",
-        "created": int(job.created_at.timestamp()),
-        "model": job.model,
-    }
-
-
-class ChatRenderer:
-    def whole(self, job: JobEnding) -> ChatCompletion:
-        output = job.output
-        calls = output.tool_calls
-        choice = ChatChoice(
-            message=AssistantMessage(
-                content=output.text or (None if calls else ""), tool_calls=calls
-            ),
-            finish_reason=openai_finish_reason(output.finish_reason, calls),
-            logprobs=ChatLogprobs(content=output.logprobs) if output.logprobs is not None else None,
-        )
-        return ChatCompletion(**_header(job, "chatcmpl"), choices=[choice], usage=job.usage)
-
-    def opening(self, job: JobRecord) -> list[BaseModel]:
-        choice = ChatChunkChoice(delta=Delta(role="assistant", content=""))
-        return [ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])]
-
-    def chunk(
-        self,
-        job: JobRecord,
-        token: TokenEvent | None,
-        finish: OpenAIFinishReason | None,
-        sent: Sent,
-    ) -> ChatCompletionChunk:
-        delta, logprobs = Delta(), None
-        if token is not None:
-            calls = [
-                DeltaToolCall(index=sent.calls + i, **dict(call))
-                for i, call in enumerate(token.tool_calls or [])
-            ]
-            delta = Delta(content=token.text or None, tool_calls=calls or None)
-            logprobs = ChatLogprobs(content=token.logprobs) if token.logprobs else None
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
-        return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])
-
-    def usage_chunk(self, job: JobEnding) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[], usage=job.usage)
-
-
-class TextRenderer:
-    def whole(self, job: JobEnding) -> Completion:
-        output = job.output
-        logprobs = CompletionLogprobs.of(output.logprobs) if output.logprobs is not None else None
-        choice = CompletionChoice(
-            text=output.text,
-            finish_reason=openai_finish_reason(output.finish_reason),
-            logprobs=logprobs,
-        )
-        return Completion(**_header(job, "cmpl"), choices=[choice], usage=job.usage)
-
-    def opening(self, job: JobRecord) -> list[BaseModel]:
-        return []
-
-    def chunk(
-        self,
-        job: JobRecord,
-        token: TokenEvent | None,
-        finish: OpenAIFinishReason | None,
-        sent: Sent,
-    ) -> Completion:
-        text, logprobs = "", None
-        if token is not None:
-            text = token.text
-            if token.logprobs:
-                logprobs = CompletionLogprobs.of(token.logprobs, sent.chars)
-        choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
-        return Completion(**_header(job, "cmpl"), choices=[choice])
-
-    def usage_chunk(self, job: JobEnding) -> Completion:
-        return Completion(**_header(job, "cmpl"), choices=[], usage=job.usage)
 
 
 @bp.post("/chat/completions")
@@ -217,11 +94,6 @@ def _open_stream(
     return response
 
 
-def _failure(job: JobEnding) -> RunnerGone:
-    """A failed job: its runner died, stalled or was shut down before it finished."""
-    return RunnerGone(job.error or f"job {job.id} failed", {"job_id": job.id})
-
-
 def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
     """The job once it has ended; a failed job is an error. Bounded by the job's time limits:
     past them (it sat in the queue) the job is cancelled and the request gets 503."""
@@ -242,7 +114,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
             )
     assert final is not None, "a job's event stream ends with its DoneEvent"
     if final.status == JobStatus.FAILED:
-        raise _failure(final)
+        raise failure(final)
     return final
 
 
@@ -328,8 +200,8 @@ def _ending(
     renderer: Renderer, job: JobRecord, final: JobEnding, include_usage: bool
 ) -> Iterator[str]:
     if final.status == JobStatus.FAILED:
-        failure = _failure(final)
-        yield _data(openai_error_body(failure.status, failure.message, code=failure.type))
+        gone = failure(final)
+        yield _data(openai_error_body(gone.status, gone.message, code=gone.type))
         return
     finish = openai_finish_reason(final.output.finish_reason, final.output.tool_calls)
     yield _data(renderer.chunk(job, None, finish, Sent()))

@@ -73,7 +73,10 @@ def load_runner() -> tuple[Response, int]:
     """Send `load_runner` to a host that serves the model and has its runner stopped."""
     context = ctx()
     body = RunnerLoadBody.model_validate(json_body())
-    state = _stopped_runner(context.store.list_runners(), body)
+    fleet = context.reads.fleet()
+    if body.host is not None and body.host not in fleet.hosts:
+        raise NotFound(f"host '{body.host}' has no live worker", {"field": "host"})
+    state = _stopped_runner(fleet.live_runners(), body)
     task = context.celery.send_task(
         LOAD_RUNNER_TASK,
         args=[state.id],

@@ -235,14 +235,18 @@ def follow(
 ) -> Iterator[tuple[str, JobEvent] | None]:
     """A job's events through the hub: those after stream id `after` up to its last
     (DoneEvent), None for each second without one (a keepalive). A reader that resumed past
-    the end of an ended job's stream gets its last event again. If the caller falls
-    EXO_STREAM_BUFFER_EVENTS events behind, `on_overflow` is called at once (by the reader)
-    and the caller gets StreamOverflow at its next read."""
+    the end of the job's events resumes at their end: past an ended job's, it gets its last
+    event again; past a running job's, what comes next (else its DoneEvent, whose id is lower
+    than the one asked for, would never come, and the stream would send keepalives for ever).
+    If the caller falls EXO_STREAM_BUFFER_EVENTS events behind, `on_overflow` is called at
+    once (by the reader) and the caller gets StreamOverflow at its next read."""
     last = store.last_event(job_id)
-    ended = last is not None and isinstance(last[1], DoneEvent)
-    if last is not None and ended and stream_id(last[0]) <= stream_id(after):
+    end = "0-0" if last is None else last[0]
+    if last is not None and isinstance(last[1], DoneEvent) and stream_id(end) <= stream_id(after):
         yield last
         return
+    if stream_id(end) < stream_id(after):
+        after = end
     with hub.subscribe(job_id, after, on_overflow) as sub:
         while True:
             batch = sub.take(KEEPALIVE_S)

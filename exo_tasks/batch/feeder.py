@@ -7,6 +7,10 @@ every step is one it can repeat. A line runs as a job whose id follows from the 
 at `low` priority only while the fleet has room: at most EXO_BATCH_MAX_QUEUED batch jobs
 waiting in the queues and EXO_BATCH_INFLIGHT_PER_HOST per live host at all, so interactive
 jobs never wait behind a batch. A line's result is written once (exo_tasks.store.batches).
+
+No batch can stop the others: whatever a step of one batch raises (but Redis being away,
+which every batch waits out alike) ends that batch `failed`, its `errors` saying why, and the
+tick goes on with the rest. A line that cannot be read is an error line of its batch.
 """
 
 from __future__ import annotations
@@ -15,17 +19,19 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from exo_tasks import jobs, metrics
+from exo_tasks import jobs, json_input, metrics
 from exo_tasks.batch import input as batch_input
 from exo_tasks.batch.jobs import cancel_inflight, line_job_id
 from exo_tasks.batch.results import ENDPOINTS, LineResults, succeeded
 from exo_tasks.batch.types import (
     Batch,
+    BatchError,
     BatchErrors,
     BatchStatus,
     FileObject,
@@ -122,18 +128,35 @@ class BatchFeeder:
         if not batches:
             return
         room = Room(self._fleet_room(), self.settings.batch_max_queued)
-        running: list[Batch] = []
-        for batch in batches:
-            if batch.status == "validating":
-                self.validate(batch)
-                continue
-            still = self.collect(batch)
-            room.inflight -= len(still)
-            room.queued -= sum(status == JobStatus.QUEUED for status in still)
-            if not self._ended(batch, still):
-                running.append(batch)
+        running = [batch for batch in batches if self._guarded(self._advance, batch, room)]
         for batch in running:
-            self.feed(batch, room)
+            self._guarded(self.feed, batch, room)
+
+    def _guarded(self, step: Callable[[Batch, Room], object], batch: Batch, room: Room) -> bool:
+        """`step` of one batch, and its answer as a bool; False if it raised: the batch fails
+        alone and the tick goes on. Redis away is no batch's fault: the tick waits it out."""
+        try:
+            return bool(step(batch, room))
+        except Exception as exc:
+            if redis_waits(exc):
+                raise
+            log.exception("batch cannot go on", extra={"batch_id": batch.id})
+            self._fail(batch, f"the batch could not go on: {type(exc).__name__}: {exc}")
+            return False
+
+    def _advance(self, batch: Batch, room: Room) -> bool:
+        """Validate the batch, or collect its lines that ended and end it if it is done;
+        True if it takes more lines. Its jobs in flight are taken from the room."""
+        if batch.status == "validating":
+            self.validate(batch)
+            return False
+        if not self.store.file_exists(batch.input_file_id):
+            self._fail(batch, f"its input file '{batch.input_file_id}' was deleted while it ran")
+            return False
+        still = self.collect(batch)
+        room.inflight -= len(still)
+        room.queued -= sum(status == JobStatus.QUEUED for status in still)
+        return not self._ended(batch, still)
 
     def _fleet_room(self) -> int:
         """Batch jobs the live hosts run at once: on each, EXO_BATCH_INFLIGHT_PER_HOST, but
@@ -189,7 +212,7 @@ class BatchFeeder:
         raws = self.store.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
         cut = "expired" if self._expired(batch) else batch.status
         return [
-            (line, self._ended_line(batch, line, batch_input.read_line(raw).custom_id, job, cut))
+            (line, self._ended_line(batch, line, batch_input.custom_id_of(raw, line), job, cut))
             for (line, job), raw in zip(ended, raws, strict=True)
         ]
 
@@ -248,9 +271,12 @@ class BatchFeeder:
         """Send the line as a job (SENT; also when it was sent before the last holder died),
         or the answer its endpoint refuses it with. None: the fleet takes no job now (a full
         queue, every runner of the model down); the line waits."""
-        request = batch_input.read_line(raw)
         if existing is not None:
             return SENT
+        try:
+            request = batch_input.read_line(raw, line)
+        except batch_input.UnreadableLine as exc:
+            return self.results.refused(batch, line, "", exc)
         try:
             self._submit(batch, request, line_job_id(batch.id, line))
         except (QueueFull, Unavailable):
@@ -261,6 +287,7 @@ class BatchFeeder:
 
     def _submit(self, batch: Batch, request: batch_input.InputLine, job_id: str) -> None:
         kind, _ = ENDPOINTS[batch.endpoint]
+        json_input.check(request.body)  # as the endpoint checks a body it is sent
         context = {"max_tokens_cap": self.settings.max_tokens}
         body = kind.model_validate(request.body, context=context)
         if body.stream:
@@ -305,16 +332,7 @@ class BatchFeeder:
                 return  # cancelled meanwhile: the next tick ends it so
             batch, previous = finalizing, "finalizing"
         self._cut_short_the_rest(batch, "expired" if status == "expired" else "cancelling")
-        output, errors = self.store.results(batch.id)
-        update: dict[str, object] = {
-            "status": status,
-            f"{status}_at": now,
-            "output_file_id": self._file(batch, "output", output, now),
-            "error_file_id": self._file(batch, "error", errors, now),
-            "request_counts": RequestCounts(
-                total=batch.request_counts.total, completed=len(output), failed=len(errors)
-            ),
-        }
+        update = {"status": status, f"{status}_at": now, **self._result_files(batch, now)}
         self._cancelled_at.pop(batch.id, None)
         if self.store.close_batch(batch.model_copy(update=update), previous):
             log.info("batch ended", extra={"batch_id": batch.id, "status": status})
@@ -329,11 +347,37 @@ class BatchFeeder:
             results = [
                 (
                     line,
-                    self.results.never_ran(batch, line, batch_input.read_line(raw).custom_id, cut),
+                    self.results.never_ran(batch, line, batch_input.custom_id_of(raw, line), cut),
                 )
                 for line, raw in zip(chunk, raws, strict=True)
             ]
             self._write(batch, results)
+
+    def _fail(self, batch: Batch, reason: str) -> None:
+        """End the batch `failed`, `errors` giving the reason, with the results its lines have
+        (never reading its input again: it may be what failed); its jobs in flight cancelled."""
+        cancel_inflight(self.store, batch)
+        now = int(time.time())
+        update = {
+            "status": "failed",
+            "failed_at": now,
+            "errors": BatchErrors(data=[BatchError(code="batch_failed", message=reason)]),
+            **self._result_files(batch, now),
+        }
+        self._cancelled_at.pop(batch.id, None)
+        if self.store.close_batch(batch.model_copy(update=update), batch.status):
+            log.warning("batch failed", extra={"batch_id": batch.id, "error": reason})
+
+    def _result_files(self, batch: Batch, now: int) -> dict[str, object]:
+        """The output and error files of the results the batch's lines have, and their counts."""
+        output, errors = self.store.results(batch.id)
+        return {
+            "output_file_id": self._file(batch, "output", output, now),
+            "error_file_id": self._file(batch, "error", errors, now),
+            "request_counts": RequestCounts(
+                total=batch.request_counts.total, completed=len(output), failed=len(errors)
+            ),
+        }
 
     def _file(self, batch: Batch, kind: str, lines: list[str], now: int) -> str | None:
         if not lines:

@@ -1,17 +1,16 @@
 """How each line of a batch ends, as a line of its output or error file: the answer its
-endpoint gives the same request directly, rendered by the OpenAI routes' own renderers and
-error funnel (never a copy of them), or why the request never ran to its end."""
+endpoint gives the same request directly, rendered by the OpenAI routes' own renderers
+(exo_tasks.openai_render) and errors (exo_tasks.errors.render), never a copy of them; or why
+the request never ran to its end."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from flask import Flask
-
-from exo_tasks.api import errors
-from exo_tasks.api.openai import ChatRenderer, Renderer, TextRenderer, _failure
+from exo_tasks import errors
 from exo_tasks.batch.jobs import line_job_id
 from exo_tasks.batch.types import Batch, LineError, LineResponse, ResultLine
+from exo_tasks.openai_render import ChatRenderer, Renderer, TextRenderer, failure
 from exo_tasks.openai_types import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from exo_tasks.types import JobRecord, JobStatus
 
@@ -31,17 +30,12 @@ CUT_SHORT = {
 
 
 class LineResults:
-    """Renders result lines. The error funnel answers inside a request to the endpoint, as it
-    does for the route itself: a bare Flask app gives it that context."""
-
-    def __init__(self) -> None:
-        self._app = Flask("exo_tasks.batches")
+    """Renders result lines."""
 
     def refused(self, batch: Batch, line: int, custom_id: str, exc: Exception) -> ResultLine:
         """A request its endpoint refuses (a body it rejects, a model no host serves)."""
-        with self._app.test_request_context(batch.endpoint, method="POST"):
-            response = errors.handle(exc)
-            status, body = response.status_code, response.get_json()
+        # Every batch endpoint is an OpenAI route: its errors answer in OpenAI's shape.
+        status, body, _ = errors.render(exc, openai=True)
         return self._answered(batch, line, custom_id, status, body)
 
     def of_job(
@@ -54,7 +48,7 @@ class LineResults:
             body = renderer.whole(job).model_dump(mode="json")
             return self._answered(batch, line, custom_id, 200, body)
         if job.status == JobStatus.FAILED:
-            return self.refused(batch, line, custom_id, _failure(job))
+            return self.refused(batch, line, custom_id, failure(job))
         if job.status == JobStatus.CANCELLED and cut in CUT_SHORT:
             return self.never_ran(batch, line, custom_id, cut)
         code = "request_timeout" if job.status == JobStatus.TIMED_OUT else "request_cancelled"

@@ -266,7 +266,7 @@ class Runner:
             return
         error = f"the runner could not read the job's command: {command.error}"
         if command.job_id in self.active:
-            self._end(command.job_id, "failed", None, error)
+            self._end(command.job_id, JobStatus.FAILED, None, error)
         else:  # never joined the batch, and we do not have its record
             self.store.release_job(self.spec.runner_id, command.job_id)
             self.store.fail_job(command.job_id, error)

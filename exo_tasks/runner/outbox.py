@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol
 
 import redis
 
-from exo_tasks import metrics
+from exo_tasks import lifecycle, metrics
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.types import JobRecord, TokenEvent, utcnow
 
@@ -69,12 +69,17 @@ class Outbox:
         self.observations.observe(metric, elapsed.total_seconds(), count, model=self.state.model)
 
     def publish(self, status: RunnerStatus | None = None, error: str | None = None) -> None:
+        """Publish the runner's state, moved to `status` if given (exo_tasks.lifecycle's table
+        refuses a move it does not have: nothing is published then)."""
         changed = status is not None and status != self.state.status
-        occupancy = self.occupancy()
-        update: dict[str, Any] = {"updated_at": utcnow(), **occupancy._asdict()}
-        if status is not None:
-            update.update(status=status, error=error)
-        self.amend(**update)
+        update: dict[str, Any] = {"updated_at": utcnow(), **self.occupancy()._asdict()}
+        if status is None:
+            self.amend(**update)
+        else:
+            moved = lifecycle.move_runner(self.state, status, error=error, **update)
+            if moved is None:
+                return
+            self.state = moved
         try:
             self.store.publish_runner(self.state, status_changed=changed)
             self.state_unpublished = False

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pydantic import BaseModel
 
 from config.settings import Settings
-from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks import lifecycle
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.types import utcnow
 
@@ -80,11 +81,10 @@ class RunnerSpec(BaseModel):
 
     def first_state(self) -> RunnerState:
         """The state a runner process starts with, in this process."""
-        return RunnerState(
-            id=self.runner_id,
-            host=self.host,
-            model=self.model,
-            status=RunnerStatus.WAITING_FOR_MODEL,
+        return lifecycle.spawned_runner(
+            self.runner_id,
+            self.host,
+            self.model,
             pid=os.getpid(),
             started_at=utcnow(),
             restarts=self.restarts,

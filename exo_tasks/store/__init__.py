@@ -1,6 +1,6 @@
 """Redis: the one facade every process uses, assembled from one part per concern.
 
-- `keys`: the key layout; `client`: the connection and Redis's refusals.
+- `keys`: the key layout; `client`: the connection and the refusals a writer waits out.
 - `jobs`: job records, event and endings streams; executes exo_tasks.lifecycle's moves.
 - `runners`: runner state and history, inboxes, and the hand-over of a job to a runner.
 - `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes, the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import redis
 
 from exo_tasks.store.batches import BatchRecords
-from exo_tasks.store.client import connect, is_out_of_memory, redis_waits
+from exo_tasks.store.client import connect, redis_waits
 from exo_tasks.store.files import FileRecords
 from exo_tasks.store.hosts import HostRecords
 from exo_tasks.store.jobs import JobWhereabouts
@@ -38,7 +38,6 @@ __all__ = [
     "endings_key",
     "events_key",
     "host_key",
-    "is_out_of_memory",
     "job_key",
     "redis_waits",
     "runner_key",

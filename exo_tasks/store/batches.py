@@ -82,6 +82,11 @@ class BatchRecords(RedisPart):
         scores = self.redis.zmscore(BATCHES, list(ids)) if ids else []
         return [i for _, i in sorted(zip((s or 0 for s in scores), ids, strict=True))]
 
+    def open_batch_reading(self, file_id: str) -> Batch | None:
+        """A batch not yet ended whose input is the file, if any."""
+        batches = (self.get_batch(batch_id) for batch_id in self.open_batches())
+        return next((b for b in batches if b and b.input_file_id == file_id and not b.ended), None)
+
     def open_batch_count(self) -> int:
         return int(self.redis.scard(BATCHES_OPEN))
 

@@ -1,10 +1,13 @@
-"""The Redis connection the store's parts share, and how to read Redis's refusals."""
+"""The Redis connection the store's parts share, and which of Redis's refusals a writer waits
+out (exo_tasks.errors reads an out-of-memory reply)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import redis
+
+from exo_tasks.errors import is_out_of_memory
 
 
 def connect(url: str, *, max_connections: int | None = None) -> redis.Redis:
@@ -23,17 +26,6 @@ def connect(url: str, *, max_connections: int | None = None) -> redis.Redis:
         url, max_connections=max_connections, timeout=10.0, **options
     )
     return redis.Redis(connection_pool=pool)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Redis at its maxmemory refused a write: an OOM reply, also as a script's error or
-    through kombu (which re-raises it as its own OperationalError)."""
-    while True:
-        if "when used memory > 'maxmemory'" in str(exc):
-            return True
-        if exc.__cause__ is None:
-            return False
-        exc = exc.__cause__
 
 
 def redis_waits(exc: BaseException) -> bool:

@@ -24,6 +24,9 @@ class FileRecords(RedisPart):
         content: str | None = self.redis.get(file_key(file_id, "content"))
         return content
 
+    def file_exists(self, file_id: str) -> bool:
+        return bool(self.redis.exists(file_key(file_id, "content")))
+
     def file_range(self, file_id: str, start: int, end: int) -> str:
         """Bytes [start, end) of a file (a line of a batch's input)."""
         text: str = self.redis.getrange(file_key(file_id, "content"), start, end - 1)

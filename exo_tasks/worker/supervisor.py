@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
 from config.settings import Settings
-from exo_tasks import metrics
+from exo_tasks import lifecycle, metrics
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.runner import main as runner_main
@@ -84,12 +84,8 @@ class RunnerSupervisor:
     def _spawn(self, handle: RunnerHandle) -> None:
         spec = handle.spec.model_copy(update={"restarts": handle.restarts})
         self.store.publish_runner(
-            RunnerState(
-                id=spec.runner_id,
-                host=spec.host,
-                model=spec.model,
-                status=RunnerStatus.WAITING_FOR_MODEL,
-                restarts=handle.restarts,
+            lifecycle.spawned_runner(
+                spec.runner_id, spec.host, spec.model, restarts=handle.restarts
             )
         )
         handle.progress = runner_process.RunnerProgress.create(_spawn)
@@ -235,18 +231,21 @@ class RunnerSupervisor:
         next_restart_at: datetime | None = None,
     ) -> None:
         spec = handle.spec
+        # No record yet (Redis lost it): one with this status, which is then no move.
         base = last or RunnerState(
             id=spec.runner_id, host=spec.host, model=spec.model, status=status
         )
-        update = {
-            "status": status,
-            "error": error,
-            "active_jobs": 0,
-            "updated_at": utcnow(),
-            "restarts": handle.restarts,
-            "next_restart_at": next_restart_at,
-        }
-        self.store.publish_runner(base.model_copy(update=update), status_changed=True)
+        moved = lifecycle.move_runner(
+            base,
+            status,
+            error=error,
+            active_jobs=0,
+            updated_at=utcnow(),
+            restarts=handle.restarts,
+            next_restart_at=next_restart_at,
+        )
+        if moved is not None:
+            self.store.publish_runner(moved, status_changed=True)
 
     # --- requests from the shutdown_runner and load_runner tasks ---
 

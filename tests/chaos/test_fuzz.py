@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.core.result import Err, Ok
@@ -89,3 +90,39 @@ def test_no_route_answers_5xx_and_every_4xx_has_the_error_shape(fuzzed: Fuzzed) 
                     assert "details" in error, where
 
         answers_in_shape()
+
+
+# Bodies no parser disagreement may turn into a 5xx (issue 27): a lone surrogate in a value and
+# in a key, a byte order mark, nesting past the cap, non-finite numbers, neither JSON nor UTF-8.
+HOSTILE_BODIES: list[str | bytes] = [
+    '{"messages": [{"role": "user", "content": "\\ud800"}], "prompt": "\\udfff"}',
+    '{"metadata": {"\\ud800": "x"}, "model": "\\udc00"}',
+    '"\\ud800"',
+    "\ufeff{}".encode(),
+    '{"a": ' + "[" * 300 + "]" * 300 + "}",
+    '{"prompt": "a", "temperature": NaN, "top_p": 1e999}',
+    "not json",
+    b"\xff\xfe{}",
+]
+
+
+def test_every_route_with_a_body_refuses_hostile_json_in_shape(fuzzed: Fuzzed) -> None:
+    spec = requests.get(f"{fuzzed.api.url}/openapi.json", timeout=10).json()
+    sent = 0
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            content = operation.get("requestBody", {}).get("content", {})
+            if "application/json" not in content:
+                continue
+            url = fuzzed.api.url + path.replace("{", "").replace("}", "")
+            for body in HOSTILE_BODIES:
+                response = requests.request(
+                    method, url, data=body, headers={"Content-Type": "application/json"}, timeout=30
+                )
+                sent += 1
+                fuzzed.statuses[response.status_code] += 1
+                where = (method, path, body[:80], response.text[:300])
+                assert 400 <= response.status_code < 500, where
+                error = response.json()["error"]
+                assert isinstance(error["message"], str) and error["message"], where
+    assert sent >= 7 * len(HOSTILE_BODIES)  # jobs, runners (2), hosts, chat, completions, batches

@@ -28,7 +28,7 @@ from exo_tasks.store import events_key, job_key, redis_waits, runner_key
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
 from tests.conftest import Stack, runner_state
 from tests.support.api import Api, api_settings, serving
-from tests.support.processes import Processes, start_redis
+from tests.support.processes import Processes, start_redis, wait_until
 from tests.support.report import Case, Report
 
 JSON = {"Content-Type": "application/json"}
@@ -185,6 +185,86 @@ def test_an_unreadable_command_fails_its_job_at_once(stack: Stack) -> None:
     )
 
 
+# --- a lone surrogate: not text, refused at the door (exo_tasks.json_input) ---
+
+LONE = "\\ud800"  # as JSON text: json.dumps cannot write it, pydantic cannot store it
+TOOL_CALL: dict[str, Any] = {
+    "id": "c1",
+    "type": "function",
+    "function": {"name": "f", "arguments": "{}"},
+}
+CHAT_WITH_TOOLS: list[dict[str, Any]] = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+]
+
+
+def with_surrogate(body: dict[str, Any], where: str) -> str:
+    """`body` as JSON text, the string `where` stands replaced by a lone surrogate escape."""
+    text = json.dumps(body)
+    assert text.count(f'"{where}"') == 1, (text, where)
+    return text.replace(f'"{where}"', f'"{LONE}"')
+
+
+SURROGATE_CASES = [
+    ("/v1/jobs", {"prompt": "PLACE"}, "prompt"),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "PLACE"}]}, "messages.0.content"),
+    ("/v1/jobs", {"prompt": "a", "stop": ["PLACE"]}, "stop.0"),
+    ("/v1/jobs", {"prompt": "a", "user": "PLACE"}, "user"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "PLACE"}], "stream": True},
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [*CHAT_WITH_TOOLS[:2], {**CHAT_WITH_TOOLS[2], "tool_call_id": "PLACE"}]},
+        "messages.2.tool_call_id",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                CHAT_WITH_TOOLS[0],
+                {
+                    **CHAT_WITH_TOOLS[1],
+                    "tool_calls": [{**TOOL_CALL, "function": {"name": "f", "arguments": "PLACE"}}],
+                },
+                CHAT_WITH_TOOLS[2],
+            ]
+        },
+        "messages.1.tool_calls.0.function.arguments",
+    ),
+    ("/v1/completions", {"prompt": "PLACE", "stream": True}, "prompt"),
+    (
+        "/v1/batches",
+        {"input_file_id": "f", "endpoint": "/v1/chat/completions", "metadata": {"k": "PLACE"}},
+        "metadata.k",
+    ),
+]
+
+
+@pytest.mark.usefixtures("same_runner")
+@pytest.mark.parametrize(("path", "body", "field"), SURROGATE_CASES)
+def test_a_lone_surrogate_in_any_string_is_refused_naming_the_field(
+    stack: Stack, path: str, body: dict[str, Any], field: str
+) -> None:
+    """It was a 500 (the store's model_dump_json raised), and a streamed chat request answered
+    200 with an error chunk naming a job that did not exist."""
+    beside = stack.api.submit(prompt="beside", max_tokens=40, ignore_eos=True)
+    before = stack.store.redis.zcard("exo:jobs")
+    response = post_raw(stack.api, path, with_surrogate(body, "PLACE"), stream=True)
+    assert not response.headers["Content-Type"].startswith("text/event-stream")
+    openai_route = path != "/v1/jobs"
+    error = error_of(response, 400 if openai_route else 422)
+    assert (error["param"] if openai_route else fields(error)) in (field, [field])
+    assert "lone UTF-16 surrogate" in error["message"]
+    assert stack.store.redis.zcard("exo:jobs") == before  # no job was made
+    job = stack.api.wait_job(beside)
+    assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 40
+
+
 # --- no 5xx from input ---
 
 
@@ -237,6 +317,26 @@ def test_a_stream_resumed_past_its_end_ends_with_done(stack: Stack, ended_job: s
     )
     assert response.status_code == 200
     assert response.text.rstrip().split("\n\n")[-1].split("\n")[1] == "event: done"
+
+
+@pytest.mark.parametrize("past", ["99999999999999-0", "next"])
+def test_a_stream_resumed_past_a_running_jobs_end_ends_when_the_job_ends(
+    stack: Stack, past: str
+) -> None:
+    """Its `done` event, whose id is lower than the one asked for, was dropped: keepalives for
+    ever, and a stream slot held."""
+    job_id = stack.api.submit(prompt="resumed", max_tokens=200, ignore_eos=True)
+    wait_until(lambda: stack.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    if past == "next":  # a millisecond after its last event so far
+        (last_id, _), *_ = stack.store.redis.xrevrange(events_key(job_id), count=1)
+        past = f"{int(last_id.split('-')[0]) + 1}-0"
+    response = stack.api.http.get(
+        f"{stack.api.url}/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": past}, timeout=60
+    )
+    assert response.status_code == 200
+    done = response.text.rstrip().split("\n\n")[-1].split("\n")
+    assert done[1] == "event: done", response.text[-500:]
+    assert json.loads(done[2].removeprefix("data: "))["status"] == "succeeded"
 
 
 def chunked(body: bytes, size: int = 64 << 10) -> Iterator[bytes]:
@@ -411,6 +511,8 @@ HOSTILE: st.SearchStrategy[str] = st.one_of(
     st.integers(1, 400_000).map(lambda n: raw("x" * n)),  # huge
     st.integers(1, 3_000).map(lambda depth: "[" * depth + "]" * depth),  # deep
     st.integers(1, 40_000).map(lambda n: raw([{"role": "user", "content": ""}] * n)),  # many
+    st.text(max_size=10).map(lambda t: raw(t)[:-1] + '\\udc80"'),  # a lone surrogate
+    st.integers(60, 300).map(lambda depth: '{"a": ' + "[" * depth + "]" * depth + "}"),
 )
 # A sane value for each field, so that some generated jobs are accepted and run. `timeout_s`
 # is left out: its bounds are the time limits' (tested where those are).

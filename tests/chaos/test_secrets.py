@@ -4,7 +4,6 @@ used by every process of the stack, and never on a command line or in a log. Flo
 
 from __future__ import annotations
 
-import os
 import stat
 from pathlib import Path
 
@@ -37,8 +36,9 @@ def test_the_embedded_stack_runs_behind_its_password_and_never_shows_it(
     processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
     redis_port, api_port, flower_port = free_port(), free_port(), free_port()
+    data_dir = tmp_path / "data"
     env = exo_env(
-        data_dir=tmp_path,
+        data_dir=data_dir,
         redis_port=redis_port,
         api_port=api_port,
         flower_port=flower_port,
@@ -49,9 +49,9 @@ def test_the_embedded_stack_runs_behind_its_password_and_never_shows_it(
     )
     logs = {name: tmp_path / f"{name}.log" for name in ("redis", "worker", "api", "flower")}
     processes.start([EXO_TASKS, "redis"], env, logs["redis"])
-    url = Settings(_env_file=None, data_dir=tmp_path, redis_port=redis_port).effective_redis_url
+    url = Settings(_env_file=None, data_dir=data_dir, redis_port=redis_port).effective_redis_url
     wait_for_redis(url)
-    password = redis_password(tmp_path / "redis")
+    password = redis_password(data_dir / "redis")
 
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=redis_port, socket_timeout=5).ping()  # a local client without it
@@ -95,4 +95,21 @@ def test_the_embedded_stack_runs_behind_its_password_and_never_shows_it(
         assert password not in " ".join(environ.values())
     for name, path in logs.items():
         assert password not in path.read_text(errors="replace"), name
-    assert os.stat(tmp_path / "redis" / "password").st_mode & 0o077 == 0
+    assert_private(data_dir, prompt="hi")
+
+
+def assert_private(data_dir: Path, prompt: str) -> None:
+    """Every file under EXO_DATA_DIR that holds user data or secrets is 0600 in directories
+    that are 0700 (the AOF was 0644 in a 0755 directory: every prompt and output readable by
+    every local user). Model weights are neither."""
+    walked = {
+        path.relative_to(data_dir): stat.S_IMODE(path.stat().st_mode)
+        for path in data_dir.rglob("*")
+        if path.relative_to(data_dir).parts[0] != "models"
+    }
+    aof = [p for p in walked if "appendonly" in p.name and (data_dir / p).is_file()]
+    assert aof and any(prompt.encode() in (data_dir / p).read_bytes() for p in aof), walked
+    assert {"redis/password", "redis/auth.conf"} <= {str(p) for p in walked}
+    for path, mode in walked.items():
+        wanted = 0o700 if (data_dir / path).is_dir() else 0o600
+        assert mode == wanted, f"{path} is {mode:o}, not {wanted:o}"

@@ -1,0 +1,292 @@
+"""Small fakes of our own interfaces for the unit tests: the store (jobs, runners, inboxes, in
+memory, moving jobs by exo_tasks.lifecycle's table as the real store's script does), a Celery
+task as our tasks use it, and a clock. The real-process tests run the real ones."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, cast
+
+import pytest
+import redis
+
+from config.settings import Settings
+from exo_tasks import lifecycle
+from exo_tasks.commands import RunnerCommand, SubmitJob, SupervisorRequest
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.store import Store
+from exo_tasks.types import (
+    DoneEvent,
+    FinishReason,
+    JobRecord,
+    JobRequest,
+    JobStatus,
+    RequeuedEvent,
+)
+
+HOST = "unit"
+RUNNER_ID = f"tiny@{HOST}"
+INCARNATION = f"{HOST}:1:1"
+
+
+def settings(**values: Any) -> Settings:
+    values = {"hostname": HOST, "models": "tiny", **values}
+    return Settings(_env_file=None, **values)
+
+
+def new_job(**update: Any) -> JobRecord:
+    request = JobRequest.model_validate({"prompt": "hi", "max_tokens": 4})
+    job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=request)
+    return job.model_copy(update=update)
+
+
+def runner(status: RunnerStatus = RunnerStatus.READY, **update: Any) -> RunnerState:
+    state = RunnerState(id=RUNNER_ID, host=HOST, model="tiny", status=status, pid=4242)
+    return state.model_copy(update=update)
+
+
+class FakeStore:
+    """The store's job, runner and inbox calls, in memory. `unreachable`: how many calls from
+    now on raise as Redis does when it is down. `on_send`, `on_supervisor`: a runner's and a
+    supervisor's answer to a command. `interrupt`: raised by the next wait for an ending (a
+    signal arriving in it). A wait with nothing to read passes its time on `clock`."""
+
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        self.clock = clock or FakeClock()
+        self.interrupt: BaseException | None = None
+        self.jobs: dict[str, JobRecord] = {}
+        self.runners: dict[str, RunnerState] = {}
+        self.endings: dict[str, list[tuple[str, DoneEvent | RequeuedEvent]]] = defaultdict(list)
+        self.events: dict[str, int] = defaultdict(int)
+        self.inboxes: dict[str, list[RunnerCommand]] = defaultdict(list)
+        self.to_supervisors: list[tuple[str, SupervisorRequest]] = []
+        self.live_owners: set[str] = {INCARNATION}
+        self.cancel_requested: set[str] = set()
+        self.published: list[RunnerState] = []
+        self.failed_runner_jobs: list[tuple[str, str]] = []
+        self.requeued_runner_jobs: list[str] = []
+        self.unreachable = 0
+        self.connections_dropped = 0
+        self.on_send: Callable[[str, RunnerCommand], None] = lambda runner_id, command: None
+        self.on_supervisor: Callable[[SupervisorRequest], None] = lambda request: None
+        self._ids = itertools.count(1)
+
+    @property
+    def as_store(self) -> Store:
+        return cast(Store, self)
+
+    def _reach(self) -> None:
+        if self.unreachable:
+            self.unreachable -= 1
+            raise redis.ConnectionError("Connection refused (fake)")
+
+    # --- jobs ---
+
+    def add(self, job: JobRecord) -> JobRecord:
+        self.jobs[job.id] = job
+        return job
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        self._reach()
+        return self.jobs.get(job_id)
+
+    def job_and_runner(
+        self, job_id: str, runner_id: str
+    ) -> tuple[JobRecord | None, RunnerState | None]:
+        self._reach()
+        return self.jobs.get(job_id), self.runners.get(runner_id)
+
+    def apply(self, move: lifecycle.Move) -> bool:
+        job = self.jobs.get(move.record.id)
+        if job is None or job.status not in move.allowed_from:
+            return False
+        if move.owner is not None and job.owner != move.owner:
+            return False
+        self.jobs[job.id] = record = move.record
+        if record.is_terminal:
+            self._append(job.id, DoneEvent(event=lifecycle.ending_event(record), job=record))
+        elif isinstance(move.event, RequeuedEvent):
+            self._append(job.id, move.event)
+        return True
+
+    def _append(self, job_id: str, ending: DoneEvent | RequeuedEvent) -> None:
+        self.endings[job_id].append((f"{next(self._ids)}-0", ending))
+
+    def end_job(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        finish_reason: FinishReason | None = None,
+        error: str | None = None,
+    ) -> bool:
+        job = self.get_job(job_id)
+        if job is None or job.is_terminal:
+            return False
+        move = lifecycle.end(
+            job, status, text="", finish_reason=finish_reason, completion_tokens=0, error=error
+        )
+        return self.apply(move)
+
+    def fail_job(self, job_id: str, error: str) -> bool:
+        return self.end_job(job_id, JobStatus.FAILED, error=error)
+
+    def requeue_job(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
+        job = self.jobs.get(job_id)
+        if job is None or job.is_terminal or (only_from is not None and job.owner != only_from):
+            return None
+        move = lifecycle.requeue(job, only_from_owner=only_from is not None)
+        return move.record if self.apply(move) else None
+
+    def request_cancel(self, job_id: str) -> None:
+        self._reach()
+        self.cancel_requested.add(job_id)
+
+    def streamed_text(self, job_id: str) -> tuple[str, int]:
+        return "", 0
+
+    def owner_is_live(self, job: JobRecord) -> bool:
+        return job.owner is None or job.owner in self.live_owners
+
+    def read_endings(
+        self, job_id: str, after: str, block_ms: int
+    ) -> list[tuple[str, DoneEvent | RequeuedEvent]]:
+        self._reach()
+        if self.interrupt is not None:
+            interrupt, self.interrupt = self.interrupt, None
+            raise interrupt
+        position = int(after.split("-")[0])
+        found = [(i, e) for i, e in self.endings[job_id] if int(i.split("-")[0]) > position]
+        if not found:
+            self.clock.sleep(block_ms / 1000)
+        return found
+
+    def attempt_start(self, job_id: str) -> tuple[str, int]:
+        endings = self.endings[job_id]
+        return (endings[-1][0] if endings else "0-0"), self.events[job_id]
+
+    def runner_and_events(self, runner_id: str, job_id: str) -> tuple[RunnerState | None, int]:
+        self._reach()
+        return self.runners.get(runner_id), self.events[job_id]
+
+    def drop_connections(self) -> None:
+        self.connections_dropped += 1
+
+    # --- runners ---
+
+    def get_runner(self, runner_id: str) -> RunnerState | None:
+        self._reach()
+        return self.runners.get(runner_id)
+
+    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
+        self._reach()
+        self.runners[state.id] = state
+        self.published.append(state)
+
+    def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
+        if not self.apply(lifecycle.Move(command.job, lifecycle.HAND_OVER_FROM)):
+            return False
+        self.inboxes[runner_id].append(command)
+        self.on_send(runner_id, command)
+        return True
+
+    def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
+        self.inboxes[runner_id].append(command)
+        self.on_send(runner_id, command)
+
+    def send_to_supervisor(self, host: str, request: SupervisorRequest) -> None:
+        self.to_supervisors.append((host, request))
+        self.on_supervisor(request)
+
+    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
+        self.failed_runner_jobs.append((runner_id, error))
+        return []
+
+    def requeue_runner_jobs(self, runner_id: str) -> list[str]:
+        self.requeued_runner_jobs.append(runner_id)
+        return []
+
+    def write_metrics(self, observations: Any) -> None:
+        pass
+
+
+@dataclass
+class FakeRequest:
+    """What our tasks read of Celery's task request."""
+
+    delivery_info: dict[str, Any] = field(default_factory=dict)
+    timelimit: tuple[float | None, float | None] | None = None
+
+
+@dataclass
+class FakeApp:
+    store: FakeStore
+    settings: Settings
+    incarnation: str = INCARNATION
+
+
+class FakeBackend:
+    def __init__(self) -> None:
+        self.revoked: list[str] = []
+        self.fails = False
+
+    def mark_as_revoked(self, task_id: str, reason: str, request: Any = None) -> None:
+        if self.fails:
+            raise redis.ConnectionError("Connection refused (fake)")
+        self.revoked.append(task_id)
+
+
+class FakeTask:
+    """A Celery task as our task bodies and task_states use it: its app, request, state
+    updates, events and backend."""
+
+    name = "exo.inference"
+
+    def __init__(self, store: FakeStore, **settings_values: Any) -> None:
+        self.app = FakeApp(store, settings(**settings_values))
+        self.request = FakeRequest()
+        self.backend = FakeBackend()
+        self.states: list[tuple[str, dict[str, Any]]] = []
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.store_fails = False
+
+    def update_state(self, *, state: str, meta: dict[str, Any]) -> None:
+        if self.store_fails:
+            raise redis.ConnectionError("Connection refused (fake)")
+        self.states.append((state, meta))
+
+    def send_event(self, event: str, *, retry: bool, **fields: Any) -> None:
+        self.sent.append((event, fields))
+
+
+class FakeClock:
+    """time.monotonic, time.time and time.sleep for code that waits: a sleep passes at once. A
+    wait that would outlast a day fails the test, rather than spin for ever."""
+
+    START = 1000.0
+    HORIZON_S = 24 * 3600.0
+
+    def __init__(self) -> None:
+        self.now = self.START
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        assert self.now - self.START < self.HORIZON_S, "a wait that never ends"
+
+
+def clock_of(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> FakeClock:
+    """A fake clock in place of `module`'s `time`, for the test's length."""
+    clock = FakeClock()
+    monkeypatch.setattr(module, "time", clock)
+    return clock

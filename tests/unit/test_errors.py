@@ -1,0 +1,90 @@
+"""exo_tasks.errors.render: what any exception answers, the same through the Flask error funnel
+and in a batch's result line (which is rendered in the worker, without Flask)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from flask import Flask
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from exo_tasks.api import errors as funnel
+from exo_tasks.errors import (
+    ExoError,
+    NotFound,
+    QueueFull,
+    Unauthorized,
+    render,
+)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int
+
+
+def invalid(body: dict[str, Any]) -> ValidationError:
+    with pytest.raises(ValidationError) as caught:
+        Body.model_validate(body)
+    return caught.value
+
+
+CASES: list[Exception] = [
+    invalid({"max_tokens": "many"}),
+    invalid({"max_tokens": 1, "best_of": 2}),
+    NotFound("model 'x' is not served", {"field": "model"}),
+    QueueFull("the queue is full", retry_after_s=5),
+    Unauthorized("a token is needed"),
+    ExoError("internal"),
+    redis.ConnectionError("refused"),
+    redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'."),
+    RuntimeError("a bug"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/jobs"])
+@pytest.mark.parametrize("exc", CASES, ids=lambda e: type(e).__name__)
+def test_the_funnel_answers_what_render_says(path: str, exc: Exception) -> None:
+    status, body, headers = render(exc, openai=path.startswith("/v1/chat"))
+    with Flask(__name__).test_request_context(path, method="POST"):
+        response = funnel.handle(exc)
+    assert (response.status_code, response.get_json()) == (status, body)
+    assert {k: response.headers[k] for k in headers} == headers
+
+
+def test_openai_shape_names_the_field_and_answers_400_for_invalid_input() -> None:
+    status, body, _ = render(invalid({"max_tokens": "many"}), openai=True)
+    assert status == 400
+    assert body["error"]["param"] == "max_tokens"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "invalid_value"
+    status, body, _ = render(invalid({"max_tokens": 1, "best_of": 2}), openai=True)
+    assert body["error"]["code"] == "unsupported_parameter"
+
+
+def test_project_shape_keeps_422_and_the_details() -> None:
+    status, body, _ = render(invalid({"max_tokens": "many"}), openai=False)
+    assert status == 422
+    assert body["error"]["type"] == "invalid_request"
+    assert body["error"]["details"][0]["field"] == "max_tokens"
+
+
+def test_an_unserved_model_is_model_not_found_in_openai_shape() -> None:
+    status, body, _ = render(NotFound("no such model", {"field": "model"}), openai=True)
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+
+
+def test_refusals_for_now_say_when_to_come_back() -> None:
+    status, _, headers = render(QueueFull("full", retry_after_s=7), openai=False)
+    assert (status, headers) == (429, {"Retry-After": "7"})
+
+
+def test_redis_full_or_gone_is_503_and_anything_else_500() -> None:
+    oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+    assert render(oom, openai=False)[1]["error"]["type"] == "storage_full"
+    assert render(oom, openai=False)[0] == 503
+    assert render(redis.TimeoutError("slow"), openai=False)[0] == 503
+    status, body, _ = render(RuntimeError("secret detail"), openai=True)
+    assert status == 500 and "secret" not in body["error"]["message"]

@@ -1,0 +1,175 @@
+"""What a runner owes Redis (exo_tasks.runner.outbox): its tokens and endings in one write per
+step, its state published when its jobs come and go (batched), kept while Redis is down and
+sent once it is back, and a status move its state machine lacks refused without a crash."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+
+from exo_tasks import metrics
+from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.runner import outbox as outbox_module
+from exo_tasks.runner.outbox import Occupancy, Outbox
+from exo_tasks.types import JobRecord, TokenEvent
+from tests.unit.fakes import FakeClock, clock_of, new_job, runner
+
+RS = RunnerStatus
+
+
+class Store:
+    """The two writes a runner makes; `down`: Redis refuses them."""
+
+    def __init__(self) -> None:
+        self.published: list[RunnerState] = []
+        self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
+        self.down = False
+
+    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
+        if self.down:
+            raise redis.ConnectionError("Connection refused (fake)")
+        self.published.append(state)
+
+    def write_step(
+        self,
+        runner_id: str,
+        tokens: list[tuple[str, TokenEvent]],
+        observations: metrics.Observations,
+        endings: list[JobRecord],
+    ) -> None:
+        if self.down:
+            raise redis.ConnectionError("Connection refused (fake)")
+        self.steps.append((list(tokens), list(endings)))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    return clock_of(monkeypatch, outbox_module)
+
+
+@pytest.fixture
+def store() -> Store:
+    return Store()
+
+
+class Jobs:
+    """The runner's jobs, as the outbox asks for them."""
+
+    def __init__(self) -> None:
+        self.active = 0
+
+    def occupancy(self) -> Occupancy:
+        return Occupancy(self.active, largest_batch=self.active)
+
+
+@pytest.fixture
+def jobs() -> Jobs:
+    return Jobs()
+
+
+def outbox(store: Store, jobs: Jobs, status: RunnerStatus = RS.READY) -> Outbox:
+    return Outbox(store, runner(status), jobs.occupancy)
+
+
+def token(index: int = 0) -> TokenEvent:
+    return TokenEvent(index=index, text="x")
+
+
+class TestPublish:
+    def test_a_status_change_is_published_with_the_runners_jobs(
+        self, store: Store, jobs: Jobs
+    ) -> None:
+        box = outbox(store, jobs, RS.WARMING_UP)
+        jobs.active = 2
+        box.publish(RS.READY)
+        assert [(s.status, s.active_jobs) for s in store.published] == [(RS.READY, 2)]
+
+    def test_a_move_the_state_machine_lacks_is_refused_logged_and_not_raised(
+        self, store: Store, jobs: Jobs, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        box = outbox(store, jobs, RS.SHUTDOWN)
+        with caplog.at_level(logging.ERROR, logger="exo_tasks.lifecycle"):
+            box.publish(RS.READY)
+        assert store.published == [] and box.state.status == RS.SHUTDOWN
+        assert "runner status change refused" in caplog.text
+
+    def test_a_state_redis_refused_is_published_at_the_next_flush(
+        self, store: Store, jobs: Jobs
+    ) -> None:
+        box = outbox(store, jobs, RS.WARMING_UP)
+        store.down = True
+        box.publish(RS.READY)  # does not raise
+        assert box.state_unpublished
+        store.down = False
+        box.flush(stopping=False)
+        assert [s.status for s in store.published] == [RS.READY]
+        assert not box.state_unpublished
+
+
+class TestFlush:
+    def test_tokens_and_endings_go_in_one_write_then_the_runners_state(
+        self, store: Store, jobs: Jobs, clock: FakeClock
+    ) -> None:
+        box = outbox(store, jobs)
+        jobs.active = 1
+        box.jobs_changed()
+        box.tokens.append(("j1", token()))
+        box.flush(stopping=False)
+        # With the tokens, at once: the job's state does not wait STATE_DELAY_S then.
+        assert [len(tokens) for tokens, _ in store.steps] == [1]
+        assert [s.status for s in store.published] == [RS.RUNNING]
+        assert box.tokens == [] and box.endings == []
+
+    def test_jobs_that_come_and_go_without_a_write_are_published_after_state_delay_s(
+        self, store: Store, jobs: Jobs, clock: FakeClock
+    ) -> None:
+        box = outbox(store, jobs)
+        jobs.active = 1
+        box.jobs_changed()
+        box.flush(stopping=False)
+        assert store.published == []  # too soon: a job that starts and ends costs no write
+        clock.sleep(outbox_module.STATE_DELAY_S)
+        box.flush(stopping=False)
+        assert [(s.status, s.active_jobs) for s in store.published] == [(RS.RUNNING, 1)]
+
+    def test_a_job_that_came_and_went_between_two_flushes_costs_no_write(
+        self, store: Store, jobs: Jobs, clock: FakeClock
+    ) -> None:
+        box = outbox(store, jobs)
+        box.flush(stopping=False)  # an earlier publish: the state as now
+        box.jobs_changed()  # one came; it went before the delay was up
+        clock.sleep(outbox_module.STATE_DELAY_S)
+        box.flush(stopping=False)
+        assert store.published == []
+
+    def test_a_stop_keeps_its_status_whatever_the_jobs(
+        self, store: Store, jobs: Jobs, clock: FakeClock
+    ) -> None:
+        box = outbox(store, jobs, RS.SHUTTING_DOWN)
+        jobs.active = 1
+        box.jobs_changed()
+        box.endings.append(new_job())
+        box.flush(stopping=True)
+        assert [(s.status, s.active_jobs) for s in store.published] == [(RS.SHUTTING_DOWN, 1)]
+
+    def test_what_redis_refused_is_kept_and_delivered_in_order_once_it_is_back(
+        self, store: Store, jobs: Jobs, clock: FakeClock
+    ) -> None:
+        box = outbox(store, jobs)
+        box.tokens.append(("j1", token(0)))
+        store.down = True
+        with pytest.raises(redis.ConnectionError):  # the runner waits, then flushes again
+            box.flush(stopping=False)
+        box.tokens.append(("j1", token(1)))
+        store.down = False
+        box.flush(stopping=False)
+        [(tokens, _)] = store.steps
+        assert [t.index for _, t in tokens] == [0, 1]
+
+
+def test_amend_changes_the_state_without_publishing(store: Store, jobs: Jobs) -> None:
+    box = outbox(store, jobs)
+    box.amend(pid=None, model_loads=2)
+    assert store.published == [] and (box.state.pid, box.state.model_loads) == (None, 2)

@@ -1,0 +1,90 @@
+"""Celery's revoke and terminate made a cancel for the tasks that run jobs
+(exo_tasks.worker.revocation): a job's task is cancelled through the job service and never
+signalled; any other task id goes to Celery's own handler as sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from exo_tasks.commands import CancelJob
+from exo_tasks.types import JobStatus
+from exo_tasks.worker import revocation
+from tests.unit.fakes import INCARNATION, RUNNER_ID, FakeApp, FakeStore, new_job, settings
+
+RS = JobStatus
+
+
+@dataclass
+class State:
+    """What Celery hands a control command: here, its app."""
+
+    app: FakeApp
+
+
+@pytest.fixture
+def store() -> FakeStore:
+    return FakeStore()
+
+
+@pytest.fixture
+def celery_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Celery's own revoke, as our handler calls it."""
+    calls: list[tuple[Any, ...]] = []
+
+    def celery_revoke(state: Any, task_ids: list[str], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append((task_ids, *args))
+        return {"ok": "celery"}
+
+    monkeypatch.setattr(revocation, "celery_revoke", celery_revoke)
+    return calls
+
+
+def state_of(store: FakeStore) -> Any:
+    return State(FakeApp(store, settings()))
+
+
+class TestRevoke:
+    def test_a_queued_jobs_task_is_cancelled_and_only_flagged_for_celery(
+        self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
+    ) -> None:
+        job = store.add(new_job())
+        reply = revocation.revoke(state_of(store), job.id, terminate=True, signal="KILL")
+        assert store.jobs[job.id].status == RS.CANCELLED
+        assert celery_calls == [([job.id],)]  # no terminate, no signal
+        assert reply == {"ok": f"jobs {job.id} cancelled"}
+
+    def test_a_running_job_is_cancelled_at_its_runner_and_its_pool_child_spared(
+        self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
+    ) -> None:
+        job = store.add(new_job(status=RS.RUNNING, owner=INCARNATION, runner_id=RUNNER_ID))
+        revocation.terminate(state_of(store), "SIGKILL", [job.id])
+        assert store.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id, reason="cancelled")]
+        assert celery_calls == [([job.id],)]
+
+    def test_an_ended_job_is_not_signalled_either(
+        self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
+    ) -> None:
+        job = store.add(new_job(status=RS.SUCCEEDED))
+        revocation.revoke(state_of(store), job.id, terminate=True, signal="TERM")
+        assert celery_calls == [([job.id],)] and store.jobs[job.id].status == RS.SUCCEEDED
+
+    def test_in_doubt_redis_down_a_job_is_never_signalled(
+        self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
+    ) -> None:
+        job = store.add(new_job())
+        store.unreachable = 1
+        revocation.revoke(state_of(store), job.id, terminate=True, signal="KILL")
+        assert celery_calls == [([job.id],)]
+
+    def test_an_id_that_names_no_job_goes_to_celery_as_sent(
+        self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
+    ) -> None:
+        job = store.add(new_job())
+        reply = revocation.revoke(
+            state_of(store), [job.id, "not-a-job"], terminate=True, signal="KILL"
+        )
+        assert celery_calls == [([job.id],), (["not-a-job"], True, "KILL")]
+        assert reply == {"ok": "celery"}

@@ -1,0 +1,395 @@
+"""The inference task's rules (exo_tasks.worker.tasks), against a fake store and a fake task:
+what a delivery prepares, the hand-over, following a job to its end, the soft and hard time
+limits, and when a message is rejected and requeued. One class per step and one rule per test,
+in the style of Celery's own unit tests of its worker's Request; the real-process tests run
+the same code for real."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
+from kombu.exceptions import DecodeError
+
+from exo_tasks import jobs
+from exo_tasks.commands import CancelJob, RunnerCommand, StartRunnerRequest, SubmitJob
+from exo_tasks.errors import RunnerGone
+from exo_tasks.fleet_types import RunnerStatus
+from exo_tasks.naming import host_queue, model_queue
+from exo_tasks.types import JobEnding, JobRecord, JobStatus, utcnow
+from exo_tasks.worker import tasks
+from exo_tasks.worker.task_states import JobEnded
+from tests.unit.fakes import (
+    HOST,
+    INCARNATION,
+    RUNNER_ID,
+    FakeClock,
+    FakeStore,
+    FakeTask,
+    clock_of,
+    new_job,
+    runner,
+)
+
+RS = JobStatus
+# The task's body, called with a fake task as its `self` (Celery binds it to the real one).
+inference = cast(Any, tasks.inference).__wrapped__.__func__
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The tasks' clock: their waits (in slices, for the runner, for Redis) pass at once."""
+    return clock_of(monkeypatch, tasks)
+
+
+@pytest.fixture
+def store(clock: FakeClock) -> FakeStore:
+    fake = FakeStore(clock)
+    fake.runners[RUNNER_ID] = runner()
+    return fake
+
+
+def running_elsewhere(owner: str) -> JobRecord:
+    return new_job(status=RS.RUNNING, owner=owner, host="other", runner_id="tiny@other")
+
+
+def ends_jobs_it_is_told_to_cancel(store: FakeStore) -> None:
+    """The runner's answer to a cancel: the job ends at its next step."""
+
+    def answer(runner_id: str, command: RunnerCommand) -> None:
+        if isinstance(command, CancelJob):
+            status = RS.TIMED_OUT if command.reason == "time_limit" else RS.CANCELLED
+            store.end_job(command.job_id, status, finish_reason=command.reason)
+
+    store.on_send = answer
+
+
+class TestPrepare:
+    def test_an_unknown_or_expired_job_is_skipped(self, store: FakeStore) -> None:
+        assert tasks._prepare(store.as_store, "nope", RUNNER_ID) == tasks.Skipped(None)
+
+    def test_an_ended_job_is_skipped_with_its_record(self, store: FakeStore) -> None:
+        job = store.add(new_job(status=RS.CANCELLED))
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Skipped(job)
+
+    def test_a_job_running_on_a_live_worker_is_a_duplicate_and_left_alone(
+        self, store: FakeStore
+    ) -> None:
+        job = store.add(running_elsewhere(INCARNATION))
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Skipped(job)
+        assert store.jobs[job.id] == job
+
+    def test_a_job_running_on_a_dead_worker_is_requeued_and_run(self, store: FakeStore) -> None:
+        job = store.add(running_elsewhere("other:1:1"))
+        prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID)
+        assert isinstance(prepared, tasks.Prepared)
+        assert (prepared.job.status, prepared.job.attempts) == (RS.QUEUED, 1)
+        assert prepared.runner == store.runners[RUNNER_ID]
+
+    def test_a_queued_job_is_prepared_with_its_runner(self, store: FakeStore) -> None:
+        job = store.add(new_job())
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Prepared(
+            job, store.runners[RUNNER_ID]
+        )
+
+    def test_redis_unreachable_rejects_the_message_with_requeue(self, store: FakeStore) -> None:
+        job = store.add(new_job())
+        store.unreachable = 1
+        with pytest.raises(Reject) as rejected:
+            tasks._prepare(store.as_store, job.id, RUNNER_ID)
+        assert rejected.value.args[1] is True
+
+
+class TestHandOver:
+    def hand_over(self, store: FakeStore, job: JobRecord) -> tasks.Attempt | None:
+        task = FakeTask(store)
+        prepared = tasks.Prepared(job, store.runners.get(RUNNER_ID))
+        return tasks._hand_over(cast(Any, task), prepared, RUNNER_ID)
+
+    def test_the_job_is_marked_running_here_and_put_in_the_runners_inbox(
+        self, store: FakeStore, clock: FakeClock
+    ) -> None:
+        job = store.add(new_job())
+        attempt = self.hand_over(store, job)
+        assert attempt == tasks.Attempt(store.runners[RUNNER_ID], "0-0", 0)
+        running = store.jobs[job.id]
+        assert (running.status, running.owner, running.host) == (RS.RUNNING, INCARNATION, HOST)
+        [command] = store.inboxes[RUNNER_ID]
+        assert isinstance(command, SubmitJob) and command.job == running
+        assert clock.now < command.soft_deadline < command.deadline
+
+    def test_a_later_attempt_starts_after_the_last_ending(self, store: FakeStore) -> None:
+        job = store.add(running_elsewhere("other:1:1"))
+        requeued = store.requeue_job(job.id)
+        assert requeued is not None
+        store.events[job.id] = 5
+        attempt = self.hand_over(store, requeued)
+        assert attempt is not None and (attempt.after, attempt.events_before) == ("1-0", 5)
+
+    def test_a_job_cancelled_meanwhile_is_not_handed_over(self, store: FakeStore) -> None:
+        job = new_job()
+        store.add(job.model_copy(update={"status": RS.CANCELLED}))
+        assert self.hand_over(store, job) is None
+        assert store.inboxes[RUNNER_ID] == []
+
+    def test_a_loading_runner_is_waited_for(self, store: FakeStore, clock: FakeClock) -> None:
+        loading = runner(RunnerStatus.LOADING)  # as read with the job; ready at the next look
+        started = clock.now
+        state = tasks._await_runner(store.as_store, RUNNER_ID, loading, 300.0, pinned=None)
+        assert state.status == RunnerStatus.READY and clock.now - started == pytest.approx(0.1)
+
+    def test_an_unloaded_runner_is_asked_once_to_load(self, store: FakeStore) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.UNLOADED)
+        asked: list[Any] = []
+        store.on_supervisor = asked.append
+        with pytest.raises(RunnerGone):  # it never loads, here
+            tasks._await_runner(
+                store.as_store, RUNNER_ID, store.runners[RUNNER_ID], 300.0, pinned=None
+            )
+        assert asked == [StartRunnerRequest(runner_id=RUNNER_ID)]
+
+    def test_a_runner_never_ready_is_runner_gone_after_the_start_timeout(
+        self, store: FakeStore, clock: FakeClock
+    ) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.LOADING)
+        started = clock.now
+        with pytest.raises(RunnerGone, match="not ready after 300s"):
+            tasks._await_runner(
+                store.as_store, RUNNER_ID, store.runners[RUNNER_ID], 300.0, pinned=None
+            )
+        assert 300.0 < clock.now - started < 300.5
+
+    def test_a_runner_failed_for_good_is_the_jobs_failure(self, store: FakeStore) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.FAILED, error="model failed to load")
+        with pytest.raises(RunnerGone, match="model failed to load"):
+            self.hand_over(store, store.add(new_job()))
+
+    def test_a_failed_runner_with_a_restart_coming_is_waited_for(self, store: FakeStore) -> None:
+        state = runner(RunnerStatus.FAILED, next_restart_at=utcnow())
+        store.runners[RUNNER_ID] = runner(RunnerStatus.READY)
+        ready = tasks._await_runner(store.as_store, RUNNER_ID, state, 300.0, pinned=None)
+        assert ready.status == RunnerStatus.READY
+
+    def test_a_runner_shut_down_on_purpose_rejects_with_requeue(self, store: FakeStore) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        with pytest.raises(Reject) as rejected:
+            self.hand_over(store, store.add(new_job()))
+        assert rejected.value.args[1] is True
+
+    def test_a_job_pinned_here_waits_before_its_requeue(
+        self, store: FakeStore, clock: FakeClock
+    ) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        started = clock.now
+        with pytest.raises(Reject):
+            tasks._refuse_if_stopped(RUNNER_ID, store.runners[RUNNER_ID], pinned=HOST)
+        assert clock.now - started == tasks.PINNED_REQUEUE_PAUSE_S
+
+
+class TestFollow:
+    def follow(self, store: FakeStore, job: JobRecord, after: str = "0-0", **kw: Any) -> JobEnding:
+        return tasks._follow(store.as_store, job.id, store.runners[RUNNER_ID], after, **kw)
+
+    def started(self, store: FakeStore) -> JobRecord:
+        return store.add(new_job(status=RS.RUNNING, owner=INCARNATION, runner_id=RUNNER_ID))
+
+    def test_returns_the_record_of_the_attempts_ending(self, store: FakeStore) -> None:
+        job = self.started(store)
+        store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+        assert self.follow(store, job).status == RS.SUCCEEDED
+
+    def test_an_ending_before_the_attempt_began_does_not_count(self, store: FakeStore) -> None:
+        job = self.started(store)
+        store.requeue_job(job.id)  # ending "1-0": the last attempt's
+        store.jobs[job.id] = store.jobs[job.id].model_copy(update={"status": RS.RUNNING})
+        store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+        assert self.follow(store, job, after="1-0").status == RS.SUCCEEDED
+
+    def test_an_attempt_its_runner_requeued_rejects_the_message_with_requeue(
+        self, store: FakeStore
+    ) -> None:
+        job = self.started(store)
+        store.requeue_job(job.id)
+        with pytest.raises(Reject) as rejected:
+            self.follow(store, job)
+        assert rejected.value.args[1] is True
+
+    @pytest.mark.parametrize(
+        "now",
+        [None, runner(pid=1), runner(RunnerStatus.FAILED), runner(RunnerStatus.SHUTDOWN)],
+        ids=["gone", "another-process", "failed", "shut-down"],
+    )
+    def test_a_runner_that_died_silently_fails_the_job(
+        self, store: FakeStore, now: Any, clock: FakeClock
+    ) -> None:
+        job = self.started(store)
+        followed = store.runners[RUNNER_ID]
+        if now is None:
+            del store.runners[RUNNER_ID]
+        else:
+            store.runners[RUNNER_ID] = now
+        started = clock.now
+        final = tasks._follow(store.as_store, job.id, followed, "0-0")
+        assert final.status == RS.FAILED and "stopped while running the job" in (final.error or "")
+        # Noticed after one slice of waiting, not at the job's time limit.
+        assert clock.now - started == tasks.WAIT_SLICE_MS / 1000
+
+    def test_between_waits_the_progress_report_gets_the_jobs_events(self, store: FakeStore) -> None:
+        job = self.started(store)
+        store.events[job.id] = 7
+        seen: list[int] = []
+
+        class Progress:
+            def update(self, events: int) -> None:
+                seen.append(events)
+                store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+
+        self.follow(store, job, progress=cast(Any, Progress()))
+        assert seen == [7]
+
+    def test_redis_restarting_is_waited_out(self, store: FakeStore, clock: FakeClock) -> None:
+        job = self.started(store)
+        store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+        store.unreachable = 2
+        started = clock.now
+        assert self.follow(store, job).status == RS.SUCCEEDED
+        assert clock.now - started == 2 * tasks.REDIS_RETRY_S
+
+    def test_past_until_the_task_times_the_job_out_itself(self, store: FakeStore) -> None:
+        job = self.started(store)
+        final = self.follow(store, job, until=store.clock.now + 2.5)
+        assert (final.status, final.output.finish_reason) == (RS.TIMED_OUT, "time_limit")
+
+
+class TestSoftLimit:
+    def test_a_job_not_handed_over_yet_times_out_without_running(self, store: FakeStore) -> None:
+        job = store.add(new_job())
+        final = tasks._after_soft_limit(store.as_store, job.id, None)
+        assert final is not None and final.status == RS.TIMED_OUT
+        assert store.inboxes[RUNNER_ID] == []
+
+    def test_a_handed_over_job_is_cancelled_at_its_runner_and_followed(
+        self, store: FakeStore
+    ) -> None:
+        ends_jobs_it_is_told_to_cancel(store)
+        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        attempt = tasks.Attempt(store.runners[RUNNER_ID], "0-0", 0)
+        final = tasks._after_soft_limit(store.as_store, job.id, attempt)
+        assert store.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id, reason="time_limit")]
+        assert final is not None and final.status == RS.TIMED_OUT
+
+    def test_a_runner_that_does_not_answer_is_waited_for_cancel_ack_s_only(
+        self, store: FakeStore, clock: FakeClock
+    ) -> None:
+        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        attempt = tasks.Attempt(store.runners[RUNNER_ID], "0-0", 0)
+        started = clock.now
+        final = tasks._after_soft_limit(store.as_store, job.id, attempt)
+        assert final is not None and final.status == RS.TIMED_OUT
+        assert tasks.CANCEL_ACK_S <= clock.now - started <= tasks.CANCEL_ACK_S + 1.0
+
+    def test_the_limit_in_the_wait_ends_the_task_as_its_job_timed_out(
+        self, store: FakeStore
+    ) -> None:
+        ends_jobs_it_is_told_to_cancel(store)
+        job = store.add(new_job())
+        store.interrupt = SoftTimeLimitExceeded()
+        with pytest.raises(JobEnded, match="timed_out"):
+            inference(FakeTask(store), job.id, "tiny")
+        assert store.connections_dropped == 1  # the limit may have cut a reply in half
+        assert store.inboxes[RUNNER_ID][-1] == CancelJob(job_id=job.id, reason="time_limit")
+
+    @pytest.mark.parametrize(
+        "exception", [SoftTimeLimitExceeded(), DecodeError(SoftTimeLimitExceeded())]
+    )
+    def test_a_limit_that_cut_the_task_before_its_body_times_the_job_out(
+        self, store: FakeStore, exception: BaseException
+    ) -> None:
+        job = store.add(new_job())
+        sender = cast(Any, FakeTask(store))
+        tasks._time_out_a_task_cut_before_its_body(sender, job.id, exception)
+        assert store.jobs[job.id].status == RS.TIMED_OUT
+
+    def test_other_failures_before_the_body_leave_the_job_alone(self, store: FakeStore) -> None:
+        job = store.add(new_job())
+        sender = cast(Any, FakeTask(store))
+        tasks._time_out_a_task_cut_before_its_body(sender, job.id, ValueError("x"))
+        sender.name = "exo.load_runner"
+        tasks._time_out_a_task_cut_before_its_body(sender, job.id, SoftTimeLimitExceeded())
+        assert store.jobs[job.id].status == RS.QUEUED
+
+
+class TestHardLimit:
+    def test_the_job_fails_and_its_runner_drops_it(self, store: FakeStore) -> None:
+        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        task = cast(Any, FakeTask(store))
+        tasks.InferenceTask.on_failure(task, TimeLimitExceeded(60), job.id, (), {}, cast(Any, None))
+        assert store.jobs[job.id].status == RS.FAILED
+        assert store.jobs[job.id].error == "hard time limit exceeded (60s)"
+        assert store.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id)]
+
+    def test_other_failures_are_celerys_alone(self, store: FakeStore) -> None:
+        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        task = cast(Any, FakeTask(store))
+        tasks.InferenceTask.on_failure(task, ValueError("x"), job.id, (), {}, cast(Any, None))
+        assert store.jobs[job.id].status == RS.RUNNING and store.inboxes[RUNNER_ID] == []
+
+
+class TestRejectRequeue:
+    """What goes back to the queue (Reject with requeue), and where."""
+
+    @pytest.fixture
+    def resent(self, monkeypatch: pytest.MonkeyPatch) -> list[JobRecord]:
+        sent: list[JobRecord] = []
+        monkeypatch.setattr(jobs, "resend", lambda store, celery, settings, job: sent.append(job))
+        return sent
+
+    def run(self, store: FakeStore, job: JobRecord, queue: str) -> dict[str, Any]:
+        task = FakeTask(store)
+        task.request.delivery_info = {"routing_key": queue}
+        result: dict[str, Any] = inference(task, job.id, "tiny")
+        return result
+
+    def test_a_job_sent_here_by_its_prefix_goes_to_its_models_queue(
+        self, store: FakeStore, resent: list[JobRecord]
+    ) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        job = store.add(new_job())
+        with pytest.raises(Reject) as rejected:
+            self.run(store, job, host_queue(HOST))
+        assert rejected.value.args[1] is False
+        assert [j.id for j in resent] == [job.id]
+
+    @pytest.mark.parametrize("pinned", [True, False], ids=["pinned-here", "models-queue"])
+    def test_a_job_from_its_models_queue_or_pinned_here_is_requeued_where_it_was(
+        self, store: FakeStore, resent: list[JobRecord], pinned: bool
+    ) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        job = new_job()
+        if pinned:
+            job.request.host = HOST
+        store.add(job)
+        queue = host_queue(HOST) if pinned else model_queue("tiny")
+        with pytest.raises(Reject) as rejected:
+            self.run(store, job, queue)
+        assert rejected.value.args[1] is True and resent == []
+
+    def test_a_job_error_fails_the_job_and_the_task(self, store: FakeStore) -> None:
+        store.runners[RUNNER_ID] = runner(RunnerStatus.FAILED, error="bad weights")
+        job = store.add(new_job())
+        with pytest.raises(RunnerGone):
+            self.run(store, job, model_queue("tiny"))
+        assert store.jobs[job.id].status == RS.FAILED
+        assert "bad weights" in (store.jobs[job.id].error or "")
+
+    def test_a_job_that_runs_to_its_end_is_the_tasks_result(self, store: FakeStore) -> None:
+        job = store.add(new_job())
+
+        def run_it(runner_id: str, command: RunnerCommand) -> None:
+            if isinstance(command, SubmitJob):
+                store.end_job(command.job.id, RS.SUCCEEDED, finish_reason="stop")
+
+        store.on_send = run_it
+        result = self.run(store, job, model_queue("tiny"))
+        assert result == {"job_id": job.id, "status": RS.SUCCEEDED, "finish_reason": "stop"}
