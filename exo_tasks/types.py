@@ -233,13 +233,13 @@ class Timings(BaseModel):
     tokens_per_s: float | None = None
 
 
-class JobRecord(BaseModel):
-    """The job as stored in Redis and returned by GET /v1/jobs/<id>."""
+class JobEnding(BaseModel):
+    """A job but its request: how it ended, as its done event carries it. Its record keeps the
+    request (a 100,000-character prompt was kept three times over) and the logprobs."""
 
     id: str
     status: JobStatus = JobStatus.QUEUED
     model: str
-    request: JobRequest
     host: str | None = None
     runner_id: str | None = None
     created_at: datetime = Field(default_factory=utcnow)
@@ -258,6 +258,12 @@ class JobRecord(BaseModel):
     @property
     def is_terminal(self) -> bool:
         return self.status.is_terminal
+
+
+class JobRecord(JobEnding):
+    """The job as stored in Redis and returned by GET /v1/jobs/<id>."""
+
+    request: JobRequest
 
     def ended(
         self,
@@ -323,7 +329,7 @@ class DoneEvent(BaseModel):
     """The last event of a stream; `event` is `error` when the job failed."""
 
     event: Literal["done", "error"]
-    job: JobRecord
+    job: JobEnding  # given a JobRecord, written without its request
 
 
 class RequeuedEvent(BaseModel):
