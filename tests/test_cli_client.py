@@ -4,6 +4,7 @@ the jobs/runners/hosts tables, cancel and shutdown."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,21 @@ from typing import Any
 import pytest
 
 from exo_tasks.types import JobRequest
-from tests.conftest import Stack
+from tests.conftest import LONG, Stack, wait_tokens
 from tests.support.api import Api, api_settings, serving
-from tests.support.processes import EXO_TASKS, Processes, exo_env, wait_until
+from tests.support.processes import (
+    EXO_TASKS,
+    Processes,
+    exo_env,
+    free_port,
+    start_redis,
+    wait_until,
+)
 from tests.support.workers import start_worker, wait_runner_ready
 
 TOKEN = "cli-token"
+# Every time the CLI prints: UTC, to the second, saying so.
+UTC_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
 def exo_tasks(api: Api, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -43,8 +53,10 @@ def test_jobs_runners_and_hosts_are_tables(stack: Stack) -> None:
     job_id = stack.api.submit(prompt="listed", max_tokens=3)
     stack.api.wait_job(job_id)
     jobs = rows(exo_tasks(stack.api, "jobs", "--limit", "5").stdout)
-    assert jobs[0] == ["ID", "STATUS", "MODEL", "HOST", "TOKENS", "CREATED"]
-    assert [job_id, "succeeded", "tiny", "host-a", "3"] in [row[:5] for row in jobs]
+    assert jobs[0] == ["ID", "STATUS", "MODEL", "HOST", "TOKENS", "FINISH", "CREATED", "ERROR"]
+    listed = {row[0]: row for row in jobs}
+    assert listed[job_id][:6] == [job_id, "succeeded", "tiny", "host-a", "3/3", "length"]
+    assert UTC_TIME.fullmatch(listed[job_id][6]) and listed[job_id][7] == "-"
     assert len(jobs) <= 6
 
     runners = {row[0]: row for row in rows(exo_tasks(stack.api, "runners").stdout)}
@@ -55,6 +67,73 @@ def test_jobs_runners_and_hosts_are_tables(stack: Stack) -> None:
     assert hosts["HOST"] == ["HOST", "PID", "CONCURRENCY", "RUNNERS", "QUEUED"]
     assert hosts["host-a"][1] == str(stack.worker.pid)
     assert hosts["host-a"][3].startswith("tiny:")
+
+
+def test_jobs_shows_a_running_jobs_tokens_against_its_maximum_and_why_jobs_ended(
+    stack: Stack,
+) -> None:
+    running = stack.api.submit(**LONG)
+    # One token per character with the tiny model: over EXO_MAX_PROMPT_TOKENS (8192), which
+    # only the runner counts.
+    failed = stack.api.submit(prompt="a" * 9000, max_tokens=4)
+    try:
+        wait_tokens(stack, running)
+        row = {r[0]: r for r in rows(exo_tasks(stack.api, "jobs", "--status", "running").stdout)}
+        done, maximum = row[running][4].split("/")
+        assert 0 < int(done) < 4000 and maximum == "4000" and row[running][5] == "-"
+    finally:
+        stack.api.post(f"/v1/jobs/{running}/cancel")
+    error = stack.api.wait_job(failed)["error"]
+    table = exo_tasks(stack.api, "jobs", "--status", "failed").stdout
+    line = next(line for line in table.splitlines() if line.startswith(failed))
+    assert " ".join(error.split())[:40] in line
+    assert stack.api.wait_job(running)["status"] == "cancelled"
+    cancelled = {r[0]: r for r in rows(exo_tasks(stack.api, "jobs", "--limit", "10").stdout)}
+    assert cancelled[running][1] == "cancelled" and cancelled[running][5] == "cancelled"
+
+
+def test_empty_listings_say_so(processes: Processes, tiny_model: Path, tmp_path: Path) -> None:
+    # A Redis of its own: no job, no host, no batch has ever been there.
+    redis = start_redis(processes, tmp_path)
+    with serving(api_settings(redis.url, [tiny_model])) as api:
+        for args, line in [
+            (["jobs", "--status", "failed"], "no jobs with status failed"),
+            (["jobs"], "no jobs"),
+            (["hosts"], "no hosts"),
+            (["runners"], "no runners"),
+            (["batch", "list"], "no batches"),
+        ]:
+            result = exo_tasks(api, *args)
+            assert result.returncode == 0 and result.stdout == line + "\n", (args, result)
+
+
+def test_an_unreachable_api_is_one_line_naming_its_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for args in (["jobs"], ["submit", "hi"], ["batch", "list"]):
+        result = subprocess.run(
+            [EXO_TASKS, *args], env=exo_env(api_url=url), capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr == f"exo-tasks: cannot reach the API at {url}\n"
+
+
+def test_submit_help_states_the_apis_cap_from_the_settings() -> None:
+    env = exo_env(max_tokens=64)
+    help_text = subprocess.run(
+        [EXO_TASKS, "submit", "--help"], env=env, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "tokens to generate, 1 to 64 (EXO_MAX_TOKENS, the API's cap)" in " ".join(
+        help_text.split()
+    )
+    refused = subprocess.run(
+        [EXO_TASKS, "submit", "p", "--max-tokens", "65"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert "--max-tokens: 65 is out of range: must be >= 1 and <= 64" in refused.stderr
 
 
 def test_cancel_sends_the_token_and_errors_name_the_status(stack: Stack, tiny_model: Path) -> None:
@@ -144,6 +223,7 @@ def job_request(stack: Stack, result: subprocess.CompletedProcess[str]) -> dict[
             "'cancelled', 'timed_out')",
         ),
         (["submit", "p", "--max-tokens", "0"], "--max-tokens: 0 is out of range: must be >= 1"),
+        (["submit", "p", "--max-tokens", "5000"], "5000 is out of range: must be >= 1 and <= 4096"),
         (["submit", "p", "--temperature", "2.5"], "must be >= 0.0 and <= 2.0"),
         (["submit", "p", "--top-p", "0"], "--top-p: 0 is out of range: must be > 0.0 and <= 1.0"),
         (["submit", "p", "--seed", str(2**64)], "must be >= 0 and < 18446744073709551616"),
