@@ -29,9 +29,12 @@ TOKEN = "cli-token"
 UTC_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
-def exo_tasks(api: Api, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = exo_env(api_url=api.url, **({"api_token": token} if token else {}))
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([EXO_TASKS, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def exo_tasks(api: Api, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+    return run_cli(exo_env(api_url=api.url, **({"api_token": token} if token else {})), *args)
 
 
 def rows(table: str) -> list[list[str]]:
@@ -110,28 +113,16 @@ def test_empty_listings_say_so(processes: Processes, tiny_model: Path, tmp_path:
 def test_an_unreachable_api_is_one_line_naming_its_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     for args in (["jobs"], ["submit", "hi"], ["batch", "list"]):
-        result = subprocess.run(
-            [EXO_TASKS, *args], env=exo_env(api_url=url), capture_output=True, text=True, timeout=60
-        )
+        result = run_cli(exo_env(api_url=url), *args)
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr == f"exo-tasks: cannot reach the API at {url}\n"
 
 
 def test_submit_help_states_the_apis_cap_from_the_settings() -> None:
     env = exo_env(max_tokens=64)
-    help_text = subprocess.run(
-        [EXO_TASKS, "submit", "--help"], env=env, capture_output=True, text=True, timeout=60
-    ).stdout
-    assert "tokens to generate, 1 to 64 (EXO_MAX_TOKENS, the API's cap)" in " ".join(
-        help_text.split()
-    )
-    refused = subprocess.run(
-        [EXO_TASKS, "submit", "p", "--max-tokens", "65"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    help_text = " ".join(run_cli(env, "submit", "--help").stdout.split())
+    assert "tokens to generate, 1 to 64 (EXO_MAX_TOKENS, the API's cap)" in help_text
+    refused = run_cli(env, "submit", "p", "--max-tokens", "65")
     assert refused.returncode == 2
     assert "--max-tokens: 65 is out of range: must be >= 1 and <= 64" in refused.stderr
 
