@@ -278,7 +278,8 @@ class Launcher:
         argv = shlex.split(entry.command)
         # `.venv/bin/exo-tasks` in the Procfile (honcho runs it from the project's root
         # whether the venv is activated or not): here, this install's, wherever `up` runs.
-        argv[0] = str(Path(sys.executable).parent / Path(argv[0]).name)
+        if Path(argv[0]).name == "exo-tasks":
+            argv[0] = str(Path(sys.executable).parent / "exo-tasks")
         popen = subprocess.Popen(
             argv,
             env=env,
