@@ -52,6 +52,27 @@ def test_submit_quiet_shows_a_progress_bar_then_the_text(stack: Stack) -> None:
     assert "[succeeded:" in result.stderr
 
 
+def test_submit_quiets_bar_counts_tokens_not_text_events(stack: Stack) -> None:
+    # A token that may begin a stop string is held back, the one that completes it cut: they
+    # send no text. Stop at the last token of a free run of the same (greedy) job.
+    free = stack.api.wait_job(
+        stack.api.submit(prompt="count", max_tokens=16, ignore_eos=True, logprobs=True)
+    )
+    text, last = free["output"]["text"], free["output"]["logprobs"][-1]["token"]
+    assert text.endswith(last) and text.find(last) == len(text) - len(last)
+    result = exo_tasks(
+        stack.api,
+        *("submit", "count", "--max-tokens", "16", "--ignore-eos", "--stop", last, "--quiet"),
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = result.stderr.split()[1]
+    job = stack.api.get(f"/v1/jobs/{job_id}").json()
+    assert job["output"]["finish_reason"] == "stop" and job["usage"]["completion_tokens"] == 16
+    assert stack.store.streamed_text(job_id)[1] < 16  # fewer text events than tokens
+    bars = [line for line in result.stderr.splitlines() if line.endswith("/16 tokens")]
+    assert bars[-1] == "[" + "#" * 30 + "] 16/16 tokens"
+
+
 def test_jobs_runners_and_hosts_are_tables(stack: Stack) -> None:
     job_id = stack.api.submit(prompt="listed", max_tokens=3)
     stack.api.wait_job(job_id)

@@ -209,7 +209,7 @@ def _stream(client: ApiClient, job_id: str, max_tokens: int, quiet: bool) -> Non
     tokens = 0
     for event, data in client.events(job_id):
         if event == "token":
-            tokens += 1
+            tokens = max(data.get("tokens", 0), tokens + 1)  # tokens, not events
             if quiet:
                 _progress_bar(tokens, max_tokens)
             else:
@@ -219,6 +219,8 @@ def _stream(client: ApiClient, job_id: str, max_tokens: int, quiet: bool) -> Non
         elif event in ("done", "error"):
             if quiet:
                 if tokens:
+                    # The job's own count: its last tokens may have had no text (a stop string).
+                    _progress_bar(data["usage"]["completion_tokens"], max_tokens)
                     print(file=sys.stderr, flush=True)  # end the bar's line before the text
                 print(data["output"]["text"], end="", flush=True)
             reason = data["output"]["finish_reason"] or data["error"]
