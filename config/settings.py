@@ -118,6 +118,13 @@ class Settings(BaseSettings):
     # Jobs and the broker.
     max_tokens: int = 4096
     max_queued_jobs: int = 1000
+    max_queued_jobs_per_client: int = Field(
+        250,
+        ge=1,
+        description="Jobs one client (its `user`, else its API token, else its address) may "
+        "have waiting in the queues at once; past it 429 with Retry-After, while other clients' "
+        "jobs are still taken. A quarter of EXO_MAX_QUEUED_JOBS: one client does not fill a queue.",
+    )
     max_prompt_chars: int = 100_000
     max_prompt_tokens: int = Field(
         8192, ge=1, description="The cap on a prompt's tokens after the chat template."

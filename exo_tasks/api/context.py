@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from exo_tasks import jobs
 from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals
 from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.fairness import Client
 from exo_tasks.fleet import SharedReads
 from exo_tasks.store import Store, connect
 from exo_tasks.types import JobRecord, JobRequest
@@ -53,6 +55,7 @@ class ApiContext:
         job_id: str | None = None,
         where: jobs.Route | None = None,
         *,
+        client: Client,
         after_arrivals: bool = False,
     ) -> JobRecord:
         """jobs.submit, routed by the shared reads, on one of SENDERS long-lived threads
@@ -63,19 +66,21 @@ class ApiContext:
         `after_arrivals` (a stream's job, after its first byte): sent once the host's arrivals
         are in (arrivals.py). Such jobs pass the door SENDERS at a time, each looking again
         just before it is sent, so a burst that resumes holds back the ones not yet sent; and
-        they never hold a sender while they wait, so other submissions do not."""
+        they never hold a sender while they wait, so other submissions do not. `client`: who
+        sent it (auth.client), for its quota and its place in the queue."""
         where = where or jobs.route(self.reads.fleet(), self.settings, job_request, self.store)
         if not after_arrivals:
-            return self._send(job_request, job_id, where)
+            return self._send(job_request, job_id, where, client)
         deadline = time.monotonic() + MAX_WAIT_S
         with self._past_the_door:
             self.arrivals.wait_until_quiet(deadline - time.monotonic())
-            return self._send(job_request, job_id, where)
+            return self._send(job_request, job_id, where, client)
 
-    def _send(self, job_request: JobRequest, job_id: str | None, where: jobs.Route) -> JobRecord:
-        return self._senders.submit(
-            jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where
-        ).result()
+    def _send(
+        self, job_request: JobRequest, job_id: str | None, where: jobs.Route, client: Client
+    ) -> JobRecord:
+        send = functools.partial(jobs.submit, self.store, self.celery, self.settings, client=client)
+        return self._senders.submit(send, job_request, job_id, where).result()
 
 
 def ctx() -> ApiContext:

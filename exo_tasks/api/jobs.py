@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 from flask import Blueprint, Response, jsonify, request
 
 from exo_tasks import jobs, progress
-from exo_tasks.api import streams
+from exo_tasks.api import auth, streams
 from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
@@ -34,7 +34,7 @@ def summary(job: JobRecord) -> dict[str, Any]:
 def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
-    job = context.submit(job_request)
+    job = context.submit(job_request, client=auth.client(job_request.user))
     return jsonify(summary(job)), 202
 
 
