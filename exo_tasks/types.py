@@ -320,6 +320,10 @@ class TokenEvent(BaseModel):
     event: Literal["token"] = "token"
     index: int
     text: str
+    # The attempt's tokens so far, the EOS included: a step's text can be empty (held back
+    # while it may begin a stop string, or the EOS), so events undercount tokens. 0 in
+    # streams written before it was added.
+    tokens: int = 0
     # Only when the job asked for logprobs, or its output called tools: absent otherwise.
     logprobs: list[TokenLogprob] | None = Field(None, exclude_if=absent_when_none)
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=absent_when_none)
