@@ -21,7 +21,17 @@ from typing import Any
 
 import psutil
 
-from bench import batch, frontdoor, overhead, prefix, report, scale, stopping, throughput
+from bench import (
+    batch,
+    flood,
+    frontdoor,
+    overhead,
+    prefix,
+    report,
+    scale,
+    stopping,
+    throughput,
+)
 from bench.config import Config
 from bench.contenders import Lab
 from bench.results import Results
@@ -36,6 +46,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "batch": batch.run,
     "frontdoor": frontdoor.run,
     "prefix": prefix.run,
+    "flood": flood.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -12,8 +12,10 @@ from flask import current_app
 from config.settings import Settings
 from exo_tasks import jobs
 from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals
+from exo_tasks.api.prompt_door import PromptDoor
 from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.errors import StorageFull
 from exo_tasks.fairness import Client
 from exo_tasks.fleet import SharedReads
 from exo_tasks.store import Store, connect
@@ -46,8 +48,23 @@ class ApiContext:
         self.hub = EventHub(lambda: connect(url), settings.stream_buffer_events)
         self.streams = StreamCap(settings.max_streams)
         self.arrivals = Arrivals()
+        self.prompt_door = PromptDoor(settings)
         self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
+
+    def refuse_if_storage_low(self) -> None:
+        """503 (storage_full) for a client's new job, file or batch once Redis holds its
+        maxmemory less the fleet's reserve: the fleet's own writes (heartbeats, running jobs'
+        tokens, endings, cancels) keep that room, while Redis refuses every write past
+        maxmemory, whoever writes. A quarter of maxmemory at most is reserved."""
+        used, limit = self.reads.memory()
+        reserve = min(self.settings.redis_reserve_mb << 20, limit // 4)
+        if limit and used >= limit - reserve:
+            raise StorageFull(
+                f"the job store (Redis) holds {used >> 20} MiB of its {limit >> 20} MiB, the "
+                f"rest kept for running jobs and the fleet (EXO_REDIS_RESERVE_MB); retry once "
+                "older jobs expire (EXO_JOB_TTL_S) or raise EXO_REDIS_MAXMEMORY_MB"
+            )
 
     def submit(
         self,

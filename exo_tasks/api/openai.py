@@ -36,6 +36,7 @@ from exo_tasks.openai_types import (
 )
 from exo_tasks.types import (
     DoneEvent,
+    JobEnding,
     JobRecord,
     JobRequest,
     JobStatus,
@@ -67,6 +68,8 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
             json_body(), context={"max_tokens_cap": context.settings.max_tokens}
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
+        context.prompt_door.check(job_request)
+        context.refuse_if_storage_low()
         if body.stream:
             return _open_stream(context, renderer, job_request, body.include_usage)
     job = context.submit(job_request, client=auth.client(job_request.user))
@@ -95,16 +98,17 @@ def _open_stream(
     return response
 
 
-def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
+def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
     """The job once it has ended; a failed job is an error. Bounded by the job's time limits:
     past them (it sat in the queue) the job is cancelled and the request gets 503."""
     settings = context.settings
     limit_s = limits.job_limits(job.request.timeout_s, settings).hard_s + WAIT_SLACK_S
     deadline = time.monotonic() + limit_s
-    final: JobRecord | None = None
+    final: JobEnding | None = None
     for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
-            final = item[1].job
+            # Its ending carries no logprobs: its record has them.
+            final = context.store.final_job(item[1]) if job.request.logprobs else item[1].job
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
                 jobs.cancel(context.store, job.id)
@@ -200,7 +204,7 @@ def _chunks(plan: _Stream, job: JobRecord) -> Generator[str, None, bool]:
 
 
 def _ending(
-    renderer: Renderer, job: JobRecord, final: JobRecord, include_usage: bool
+    renderer: Renderer, job: JobRecord, final: JobEnding, include_usage: bool
 ) -> Iterator[str]:
     if final.status == JobStatus.FAILED:
         gone = failure(final)

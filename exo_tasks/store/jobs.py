@@ -32,12 +32,14 @@ from exo_tasks.store.metrics import MetricRecords
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
+    JobEnding,
     JobEvent,
     JobRecord,
     JobStatus,
     RequeuedEvent,
     TokenEvent,
 )
+from exo_tasks.wire import STORED
 
 log = logging.getLogger("exo_tasks.store")
 RECENT_JOBS_KEPT = 10_000
@@ -167,7 +169,12 @@ class JobRecords(MetricRecords):
         sets = [client_key(client, name) for name in classes] if client else []
         keys = [job_key(job.id), RECENT_JOBS, ACTIVE_JOBS, *sets, *queue_lists(queue)]
         created = job.created_at.timestamp()
-        args: list[str | int | float] = [max_queued, job.status, job.model_dump_json(), created]
+        args: list[str | int | float] = [
+            max_queued,
+            job.status,
+            job.model_dump_json(context=STORED),
+            created,
+        ]
         args += [job.id, self.job_ttl_s, queue, len(sets), quota, created - self.job_ttl_s]
         args += fairness.step_table(priority)
         depth, waiting, step = self.script(CREATE_UNLESS_FULL)(keys=keys, args=args)
@@ -188,6 +195,11 @@ class JobRecords(MetricRecords):
     def get_job(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hget(job_key(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
+
+    def final_job(self, done: DoneEvent) -> JobEnding:
+        """The job whole (its request, its logprobs), as it ended: from its record, which keeps
+        what its ending does not repeat (as its ending has it if the record is gone)."""
+        return self.get_job(done.job.id) or done.job
 
     def job_and_runner(
         self, job_id: str, runner_id: str
@@ -249,10 +261,19 @@ class JobRecords(MetricRecords):
         job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
-            event = DoneEvent(event=lifecycle.ending_event(job), job=job)
+            # Its request and logprobs are kept in its record only (final_job reads them there).
+            output = job.output.model_copy(update={"logprobs": None})
+            event = DoneEvent(
+                event=lifecycle.ending_event(job), job=job.model_copy(update={"output": output})
+            )
         if event is not None:
-            event_name, event_data = event.event, event.model_dump_json()
-        args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data]
+            event_name, event_data = event.event, event.model_dump_json(context=STORED)
+        args: list[str | int] = [
+            job.status,
+            job.model_dump_json(context=STORED),
+            event_name,
+            event_data,
+        ]
         args += [self.job_ttl_s, move.owner or "", job.owner or "", job.id, *move.allowed_from]
         return args
 
@@ -269,7 +290,8 @@ class JobRecords(MetricRecords):
         blocked on a job's stream wakes once, with the step's token and the job's end together."""
         pipe = self.redis.pipeline(transaction=True)
         for job_id, token in tokens:
-            pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
+            data = token.model_dump_json(context=STORED)
+            pipe.xadd(events_key(job_id), {"event": token.event, "data": data})
             # An attempt's first token: the stream expires even if the job never ends.
             if token.index == 0:
                 pipe.expire(events_key(job_id), self.job_ttl_s)

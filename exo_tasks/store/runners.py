@@ -17,6 +17,7 @@ from exo_tasks.store.keys import (
     job_key,
     runner_key,
 )
+from exo_tasks.wire import STORED
 
 RUNNER_HISTORY_KEPT = 50
 
@@ -102,9 +103,9 @@ class RunnerRecords(JobRecords):
         job = command.job
         keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
         args = [
-            job.model_dump_json(),
+            job.model_dump_json(context=STORED),
             job.id,
-            command.model_dump_json(),
+            command.model_dump_json(context=STORED),
             job.owner or "",
             runner_id,
             job.status,
