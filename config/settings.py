@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exo_tasks import limits
+from exo_tasks.instances import CONFIG_FORMAT, InstanceRequest, parse_instances
 
 # Names live in exo_tasks.naming; this stays importable from here for older imports.
 from exo_tasks.naming import model_slug as model_slug
@@ -63,6 +64,12 @@ class Settings(BaseSettings):
     data_dir: Path = Path("var")
     hostname: str = Field(default_factory=socket.gethostname)
     models: str = Field("", description="Comma-separated model paths or hub ids; '' = chat.")
+    instances: str = Field(
+        "",
+        description="Model instances across hosts, placed when a worker starts (the same list "
+        f"on every host is placed once): {CONFIG_FORMAT}. "
+        "E.g. '/models/big@mac-a,mac-b;mlx-community/Llama-3.3-70B@a,b,c,d:tensor'.",
+    )
 
     # The worker.
     worker_concurrency: int = 34  # pool children: up to a full batch of 32, plus control tasks
@@ -206,7 +213,17 @@ class Settings(BaseSettings):
         listed = [m.strip() for m in self.models.split(",") if m.strip()]
         return listed or [str(self.default_model_dir.resolve())]
 
+    @cached_property
+    def configured_instances(self) -> list[InstanceRequest]:
+        """EXO_INSTANCES, parsed (checked when the settings are read)."""
+        return parse_instances(self.instances)
+
     @model_validator(mode="after")
     def _limits_below_redelivery(self) -> Settings:
         limits.check_settings(self)
+        return self
+
+    @model_validator(mode="after")
+    def _instances_well_formed(self) -> Settings:
+        parse_instances(self.instances)  # ValueError naming the entry
         return self

@@ -19,7 +19,7 @@ from exo_tasks.commands import CancelJob
 from exo_tasks.errors import ClientQuotaFull, Conflict, NotFound, QueueFull
 from exo_tasks.fairness import Client
 from exo_tasks.fleet import Fleet
-from exo_tasks.naming import find_model, host_queue, model_queue, model_slug
+from exo_tasks.naming import find_model, host_queue, instance_queue, model_queue, model_slug
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
@@ -64,25 +64,31 @@ def new_job_id() -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a job goes: its model (as served) and its queue."""
+    """Where a job goes: its model (as served), its queue, and the instance that serves it
+    (None for a model runners hold whole)."""
 
     model: str
     queue: str
+    instance: str | None = None
 
 
 def route(
     fleet: Fleet, settings: Settings, request: JobRequest, store: Store | None = None
 ) -> Route:
     """Where `request` goes in `fleet`, or why it cannot go now: 404 for a model or host no
-    live host serves, 503 when every runner that could take it is down, 400 for tools the
-    model cannot call. Checked before a stream's first byte, so a client's mistake keeps its
+    live host serves, 503 when every runner that could take it is down (or every instance of a
+    model only instances serve cannot take it: fleet.instance_for), 400 for tools the model
+    cannot call. Checked before a stream's first byte, so a client's mistake keeps its
     status. A full queue's 429 comes from the job's creation (submit), or for a stream from
     refuse_if_full before its first byte. With `store`, an unpinned job may go to the host
     that ran its prompt's prefix (exo_tasks.prefix_routing)."""
     model = resolve_model(fleet, settings, request.model)
-    queue = fleet.queue_for(model, request.host)
+    instance = fleet.instance_for(model, request.host)
+    queue = instance_queue(instance.id) if instance else fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
+    if instance is not None:
+        return Route(model, queue, instance.id)
     if store is not None and request.host is None:
         queue = _queue_by_prefix(store, fleet, settings, model, request) or queue
     return Route(model, queue)
@@ -147,7 +153,9 @@ def submit(
     `job_id`: one chosen beforehand (new_job_id), already given to the client; `where`: its
     route, if already found; `client`: who sent it (exo_tasks.fairness)."""
     where = where or route(Fleet.load(store), settings, request, store)
-    job = JobRecord(id=job_id or new_job_id(), model=where.model, request=request)
+    job = JobRecord(
+        id=job_id or new_job_id(), model=where.model, request=request, instance=where.instance
+    )
     quota = settings.max_queued_jobs_per_client
     admitted = store.create_job(job, where.queue, settings.max_queued_jobs, client.key, quota)
     # Counted as the job was created: these hold.
@@ -159,8 +167,11 @@ def submit(
 
 
 def queue_of(job: JobRecord) -> str:
-    """The queue a job goes back to: its pinned host's own, or its model's (any host serving
-    it). A job routed by its prefix to a host's queue is not pinned: it comes back here."""
+    """The queue a job goes back to: its instance's, its pinned host's own, or its model's (any
+    host serving it). A job routed by its prefix to a host's queue is not pinned: it comes back
+    here."""
+    if job.instance is not None:
+        return instance_queue(job.instance)
     return host_queue(job.request.host) if job.request.host else model_queue(job.model)
 
 

@@ -115,6 +115,7 @@ def requeue(job: JobRecord, *, only_from_owner: bool = False) -> Move:
         id=job.id,
         model=job.model,
         request=job.request,
+        instance=job.instance,
         created_at=job.created_at,
         attempts=attempt,
     )

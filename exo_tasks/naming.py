@@ -48,3 +48,36 @@ def host_of_queue(queue: str) -> str | None:
 def node_name(host: str) -> str:
     """The Celery node name of a host's worker."""
     return f"{NODE_PREFIX}{host}"
+
+
+INSTANCE_QUEUE_PREFIX = "exo.instance."
+INSTANCE_ID_PREFIX = "inst-"
+RANK_INFIX = ".rank"
+
+
+def instance_queue(instance_id: str) -> str:
+    """The queue of an instance's jobs, consumed only by the worker of its rank-0 host."""
+    return f"{INSTANCE_QUEUE_PREFIX}{instance_id}"
+
+
+def instance_runner_id(instance_id: str, rank: int) -> str:
+    """The runner of one rank of an instance (one per host of the instance)."""
+    return f"{instance_id}{RANK_INFIX}{rank}"
+
+
+def instance_of_runner(runner_id: str) -> str | None:
+    """The instance whose rank `runner_id` is; None for a runner of a whole model."""
+    instance_id, infix, rank = runner_id.rpartition(RANK_INFIX)
+    named = infix and rank.isdigit() and instance_id.startswith(INSTANCE_ID_PREFIX)
+    return instance_id if named and "@" not in runner_id else None
+
+
+def is_local_path(model: str) -> bool:
+    """Whether `model` names a local path (absolute, `./`, `../`, `~`, or under an existing
+    directory); anything else is a hub id for mlx-lm."""
+    path = Path(model).expanduser()
+    return (
+        path.is_absolute()
+        or model.startswith(("./", "../", "~"))
+        or (len(path.parts) > 1 and path.parent.is_dir())
+    )

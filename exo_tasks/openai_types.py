@@ -327,6 +327,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "exo_tasks"
     hosts: list[str] = Field(description="The hosts whose runner serves this model now.")
+    instances: list[str] = Field(
+        default_factory=list, description="The instances across hosts that serve it."
+    )
 
 
 class ModelList(BaseModel):

@@ -242,6 +242,9 @@ class JobEnding(BaseModel):
     model: str
     host: str | None = None
     runner_id: str | None = None
+    instance: str | None = Field(
+        None, description="The instance that serves the job's model, if no host holds it whole."
+    )
     created_at: datetime = Field(default_factory=utcnow)
     started_at: datetime | None = None
     first_token_at: datetime | None = None

@@ -55,6 +55,25 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gamma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model no host serves whole, for instances (the tiny preset: 4 attention heads, 2
+    key/value heads), named gamma."""
+    from exo_tasks.modelgen import create_model
+
+    return create_model("tiny", tmp_path_factory.mktemp("models") / "gamma")
+
+
+@pytest.fixture
+def placed(store: Store) -> Iterator[list[str]]:
+    """The ids of the instances a test placed, removed at its end (their ranks, if any run,
+    are stopped by their hosts)."""
+    ids: list[str] = []
+    yield ids
+    for instance_id in ids:
+        store.remove_instance(instance_id)
+
+
+@pytest.fixture(scope="session")
 def session_processes() -> Iterator[Processes]:
     processes = Processes()
     yield processes

@@ -14,6 +14,7 @@ import pytest
 from exo_tasks.types import JobRequest
 from tests.conftest import LONG, Stack, wait_tokens
 from tests.support.api import Api, api_settings, serving
+from tests.support.held_hosts import held_hosts
 from tests.support.processes import (
     EXO_TASKS,
     Processes,
@@ -252,3 +253,41 @@ def test_arguments_are_checked_naming_the_valid_values(
     result = exo_tasks(stack.api, *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_instances_place_list_show_and_shutdown(stack: Stack, tiny_model: Path) -> None:
+    # Held hosts: live to the API, no worker moving the instance (tests/support/held_hosts.py).
+    with held_hosts(stack.store, "cli-a", "cli-b"):
+        placed = exo_tasks(stack.api, "instances", "place", str(tiny_model), "cli-a", "cli-b")
+        assert placed.returncode == 0, placed.stderr
+        instance_id = placed.stdout.split()[1].rstrip(":")
+        try:
+            check_instance_commands(stack.api, instance_id, tiny_model)
+        finally:
+            stack.store.remove_instance(instance_id)
+
+
+def check_instance_commands(api: Api, instance_id: str, model: Path) -> None:
+    listed = rows(exo_tasks(api, "instances", "list").stdout)
+    assert listed[0] == ["ID", "STATUS", "MODEL", "PARALLEL", "HOSTS", "ERROR"]
+    assert [instance_id, "Pending", "tiny", "tensor", "cli-a,cli-b", "-"] in listed
+    shown = exo_tasks(api, "instances", "show", instance_id).stdout.splitlines()
+    assert shown[:2] == [
+        f"instance {instance_id}: Pending",
+        f"model tiny ({model}), tensor parallel",
+    ]
+    assert rows("\n".join(shown[2:])) == [
+        ["RANK", "HOST", "PID", "STATUS", "WEIGHTS_BYTES", "ERROR"],
+        ["0", "cli-a", "-", "WaitingForModel", "-", "-"],
+        ["1", "cli-b", "-", "WaitingForModel", "-", "-"],
+    ]
+    stopped = exo_tasks(api, "instances", "shutdown", instance_id, "--mode", "hard")
+    assert stopped.stdout == f"instance {instance_id}: Shutdown (hard)\n"
+    # The API's refusals, with their status: the command exits 2.
+    again = exo_tasks(api, "instances", "shutdown", instance_id)
+    assert again.returncode == 2
+    assert again.stderr == f"exo-tasks: 409 conflict: instance '{instance_id}' is Shutdown\n"
+    dead = exo_tasks(api, "instances", "place", str(model), "cli-a", "ghost")
+    assert dead.returncode == 2 and "404 not_found: no live worker on host 'ghost'" in dead.stderr
+    bad = exo_tasks(api, "instances", "place", str(model), "cli-a", "--parallel", "data")
+    assert bad.returncode == 2 and "invalid choice: 'data'" in bad.stderr

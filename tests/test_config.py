@@ -84,3 +84,30 @@ def test_a_missing_redis_server_says_how_to_install_one(
     with pytest.raises(ExoError, match="brew install redis") as raised:
         find_redis_server()
     assert raised.value.message == INSTALL_HINT
+
+
+def test_exo_instances_lists_placements_separated_by_semicolons() -> None:
+    parsed = settings(
+        instances=" /m/big@mac-a, mac-b ; org/llm@a,b,c,d:pipeline ;"
+    ).configured_instances
+    assert [(i.model, i.hosts, i.parallel) for i in parsed] == [
+        ("/m/big", ["mac-a", "mac-b"], "tensor"),
+        ("org/llm", ["a", "b", "c", "d"], "pipeline"),
+    ]
+    assert settings().configured_instances == []
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("/m/big", "entry '/m/big': expected MODEL@HOST,HOST"),
+        ("/m/big@a", "entry '/m/big@a': hosts: List should have at least 2 items"),
+        ("/m/big@a,a", "hosts: Value error, host 'a' is listed twice"),
+        ("/m/big@a,b:data", "parallel: Input should be 'tensor' or 'pipeline'"),
+        ("@a,b", "model: String should have at least 1 character"),
+    ],
+)
+def test_a_malformed_exo_instances_entry_is_refused_naming_it(value: str, words: str) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")) as raised:
+        settings(instances=value)
+    assert "EXO_INSTANCES" in str(raised.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -248,3 +249,41 @@ def test_a_revoke_from_flower_of_a_queued_job_means_it_never_runs(
         assert str(result_of(stack, job_id).state) == "REVOKED"
     job = stack.api.get(f"/v1/jobs/{queued}").json()
     assert job["runner_id"] is None and job["output"]["text"] == ""
+
+
+def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(
+    stack: Stack, fleet: TwoHosts, flower: Flower
+) -> None:
+    alpha = fleet.x.env["EXO_MODELS"]
+    response = stack.api.post(
+        "/v1/instances", json={"model": alpha, "hosts": ["fleet-x", "fleet-y"]}
+    )
+    assert response.status_code == 202, response.text
+    instance_id = response.json()["id"]
+    try:
+        # A refresh joins an inspection already under way: the next one has the instance.
+        workers = wait_until(
+            lambda: (
+                (w := flower.get("/api/workers?refresh=1", auth=AUTH).json())
+                and instance_id in w["exo@fleet-y"]["stats"].get("exo_instances", "")
+                and instance_id in w["exo@fleet-x"]["stats"].get("exo_instances", "")
+                and w
+            ),
+            10,
+            "Flower's worker stats to show the instance",
+            interval_s=0.5,
+        )
+        x, y = workers["exo@fleet-x"]["stats"], workers["exo@fleet-y"]["stats"]
+        # As far as the hosts' supervisors have moved it; each host names its own rank.
+        for stats, rank in ((x, 0), (y, 1)):
+            status = "(Pending|Starting|Ready)"
+            line = rf"{instance_id}: {status}, rank {rank} of 2 \(alpha, tensor parallel\)"
+            assert re.fullmatch(line, stats["exo_instances"]), stats["exo_instances"]
+        # Its whole runners first (a rank's runner, by its instance's id, after them).
+        assert x["exo_runners"].startswith("alpha@fleet-x: Ready")
+        assert y["exo_runners"].startswith("alpha@fleet-y: Ready; beta@fleet-y: Ready")
+        # The worker's page, its Other tab.
+        page = flower.get("/worker/exo@fleet-x", auth=AUTH).text
+        assert "exo_instances" in page and instance_id in page
+    finally:
+        stack.store.remove_instance(instance_id)

@@ -86,6 +86,9 @@ def test_real_answers_match_the_document(stack: Stack, spec: dict[str, Any]) -> 
     check(spec, "/v1/jobs", "post", api.post("/v1/jobs", json={"prompt": ""}))
     check(spec, "/v1/jobs/{job_id}", "get", api.get("/v1/jobs/nope"))
     check(spec, "/v1/models", "get", api.get("/v1/models"))
+    check(spec, "/v1/instances", "get", api.get("/v1/instances"))
+    check(spec, "/v1/instances", "post", api.post("/v1/instances", json={"hosts": ["a"]}))
+    check(spec, "/v1/instances/{instance_id}", "get", api.get("/v1/instances/inst-nope"))
 
 
 def test_a_token_shows_as_a_security_scheme_except_on_health(stack: Stack) -> None:

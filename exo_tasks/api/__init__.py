@@ -16,6 +16,7 @@ from exo_tasks.api import (
     files,
     health,
     hosts,
+    instances,
     jobs,
     metrics,
     openai,
@@ -36,8 +37,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["exo"] = ApiContext(settings=settings, celery=ExoCelery(settings))
     errors.init_app(app)
     auth.init_app(app)
-    for blueprint in (health.bp, jobs.bp, runners.bp, hosts.bp, openai.bp, metrics.bp, openapi.bp):
+    for blueprint in (health.bp, jobs.bp, runners.bp, hosts.bp, instances.bp, openai.bp):
         app.register_blueprint(blueprint)
+    app.register_blueprint(metrics.bp)
+    app.register_blueprint(openapi.bp)
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)
     return app

@@ -9,7 +9,7 @@ from exo_tasks.api.http import json_body
 from exo_tasks.api.models import HostInfo, HostShutdownBody, HostShutdownReply
 from exo_tasks.errors import NotFound
 from exo_tasks.fleet import Fleet
-from exo_tasks.naming import host_queue, model_queue, node_name
+from exo_tasks.naming import host_queue, instance_queue, model_queue, node_name
 
 bp = Blueprint("hosts", __name__, url_prefix="/v1/hosts")
 REPLY_TIMEOUT_S = 3.0
@@ -22,7 +22,10 @@ def list_hosts() -> Response:
     fleet = Fleet.load(store)
     hosts: list[HostInfo] = []
     for name, live in sorted(fleet.hosts.items()):
+        placed = fleet.host_instances(name)
         queues = [host_queue(name)] + [model_queue(m) for m in live.models]
+        # An instance's jobs wait in its own queue, which its rank-0 host consumes.
+        queues += [instance_queue(i.id) for i in placed if i.rank0_host == name]
         hosts.append(
             HostInfo(
                 name=name,
@@ -31,6 +34,7 @@ def list_hosts() -> Response:
                 concurrency=live.concurrency,
                 models=live.models,
                 runners=fleet.host_runners(name),
+                instances=[i.id for i in placed],
                 queues={q: store.queue_depth(q) for q in queues},
             )
         )

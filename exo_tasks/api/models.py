@@ -55,6 +55,9 @@ class ReadinessReply(BaseModel):
     status: Literal["ready", "no runner ready", "unavailable"]
     redis: bool
     ready_runners: list[str]
+    ready_instances: list[str] = Field(
+        default_factory=list, description="Instances Ready, every one of their hosts live."
+    )
 
 
 class RunnerDetail(RunnerState):
@@ -73,6 +76,9 @@ class HostInfo(BaseModel):
     concurrency: int | None = None
     models: list[str]
     runners: list[RunnerState]
+    instances: list[str] = Field(
+        default_factory=list, description="The instances with a rank on this host."
+    )
     queues: dict[str, int] = Field(description="Messages waiting in each queue it consumes.")
 
 

@@ -235,7 +235,8 @@ def get_model(model: str) -> Response:
 
 
 def _served_models() -> list[ModelCard]:
-    """Each model a live host serves with a runner that is up (or starting), and those hosts."""
+    """Each model a live host serves with a runner that is up (or starting), and those hosts;
+    or an instance that serves it (placed, starting or ready, on live hosts), and its hosts."""
     fleet = ctx().reads.fleet()
     cards: list[ModelCard] = []
     for model in fleet.models:
@@ -245,7 +246,17 @@ def _served_models() -> list[ModelCard]:
             if model in host.models
             and not is_down(fleet.runners.get(runner_id_for(model, host.name)))
         ]
-        if hosts:
-            created = min(int(host.started_at.timestamp()) for host in hosts)
-            cards.append(ModelCard(id=model, created=created, hosts=[h.name for h in hosts]))
+        instances = fleet.serving_instances(model)
+        started = [int(h.started_at.timestamp()) for h in hosts]
+        started += [int(i.created_at.timestamp()) for i in instances]
+        if started:
+            names = [h.name for h in hosts] + [h for i in instances for h in i.hosts]
+            cards.append(
+                ModelCard(
+                    id=model,
+                    created=min(started),
+                    hosts=list(dict.fromkeys(names)),
+                    instances=[i.id for i in instances],
+                )
+            )
     return cards

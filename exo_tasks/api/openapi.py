@@ -30,6 +30,7 @@ from exo_tasks.api.models import (
 from exo_tasks.api.openapi_batches import BATCH_ROUTES
 from exo_tasks.api.openapi_ops import JSON, Op, Reply
 from exo_tasks.fleet_types import RunnerState
+from exo_tasks.instances import InstanceRecord, InstanceRequest, InstanceShutdownBody
 from exo_tasks.openai_types import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -171,6 +172,29 @@ ROUTES: tuple[Op, ...] = (
         HostShutdownBody,
         HostShutdownReply,
         (404,),
+        body_required=False,
+    ),
+    _command(
+        "/v1/instances",
+        "Place a model across hosts (or find the live instance of that placement)",
+        InstanceRequest,
+        InstanceRecord,
+        (404,),
+    ),
+    Op("get", "/v1/instances", "Every instance", {200: Reply(InstanceRecord, many=True)}),
+    Op(
+        "get",
+        "/v1/instances/{instance_id}",
+        "An instance: its status and each rank's",
+        {200: Reply(InstanceRecord)},
+        errors=(404,),
+    ),
+    _command(
+        "/v1/instances/{instance_id}/shutdown",
+        "Stop an instance (warm: drained first; hard: now)",
+        InstanceShutdownBody,
+        InstanceRecord,
+        (404, 409),
         body_required=False,
     ),
     _completion("/v1/chat/completions", "chat completion", ChatCompletionRequest, ChatCompletion),

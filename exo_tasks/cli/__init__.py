@@ -2,7 +2,8 @@
 submit, follow and list work through the HTTP API.
 
 - `main`: the parser and the stack's commands; `jobs`: `submit` and `cancel`; `batch`:
-  `exo-tasks batch ...`; `client`: the API client; `table`: listings as aligned columns.
+  `exo-tasks batch ...`; `instances`: `exo-tasks instances ...`; `client`: the API client;
+  `table`: listings as aligned columns.
 """
 
-__all__ = ["batch", "client", "jobs", "main", "table"]
+__all__ = ["batch", "client", "instances", "jobs", "main", "table"]

@@ -15,6 +15,7 @@ from annotated_types import Ge, Le
 
 from config.settings import Settings
 from exo_tasks.cli import batch as cli_batch
+from exo_tasks.cli import instances as cli_instances
 from exo_tasks.cli import jobs as cli_jobs
 from exo_tasks.cli.client import ApiClient
 from exo_tasks.cli.table import listing, timestamp
@@ -240,6 +241,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     host.add_argument("--mode", choices=["warm", "cold"], default="warm")
     shutdown.set_defaults(func=cmd_shutdown)
     cli_batch.register(sub, _client)
+    cli_instances.register(sub, _client)
     return parser
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from config.settings import Settings
 from exo_tasks import lifecycle
 from exo_tasks.fleet_types import RunnerState
-from exo_tasks.naming import model_slug, runner_id_for
+from exo_tasks.naming import is_local_path, model_slug, runner_id_for
 from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
@@ -151,13 +151,7 @@ class Engine(Protocol):
 
 def check_model_path(model_path: str) -> None:
     """A model given as a local path must exist; anything else is a hub id for mlx_lm."""
-    path = Path(model_path).expanduser()
-    local = (
-        path.is_absolute()
-        or model_path.startswith(("./", "../", "~"))
-        or (len(path.parts) > 1 and path.parent.is_dir())
-    )
-    if local and not path.exists():
+    if is_local_path(model_path) and not Path(model_path).expanduser().exists():
         raise ConfigError(f"model path '{model_path}' does not exist")
 
 

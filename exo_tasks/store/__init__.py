@@ -6,6 +6,7 @@
 - `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes, the
   prefix-to-host map.
 - `metrics`: metric persistence.
+- `instances`: model instances across hosts, their ranks' records and ring addresses.
 - `files`, `batches`: OpenAI's Files and Batch API (exo_tasks.batch.feeder drives batches).
 kombu's own layout (queues, unacknowledged messages) is exo_tasks.broker's alone.
 """
@@ -18,6 +19,7 @@ from exo_tasks.store.batches import BatchRecords
 from exo_tasks.store.client import connect, redis_waits
 from exo_tasks.store.files import FileRecords
 from exo_tasks.store.hosts import HostRecords
+from exo_tasks.store.instances import InstanceRecords
 from exo_tasks.store.jobs import JobWhereabouts
 from exo_tasks.store.keys import (
     PREFIX,
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 
-class Store(RunnerRecords, HostRecords, FileRecords, BatchRecords):
+class Store(RunnerRecords, HostRecords, InstanceRecords, FileRecords, BatchRecords):
     """Typed access to everything exo_tasks keeps in Redis."""
 
     @classmethod

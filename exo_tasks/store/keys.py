@@ -12,6 +12,8 @@ ACTIVE_JOBS = f"{PREFIX}:jobs:active"
 RUNNERS = f"{PREFIX}:runners"
 HOSTS = f"{PREFIX}:hosts"
 RECOVERY_LEASE = f"{PREFIX}:recovery:lease"
+# Instance ids (exo_tasks.instances).
+INSTANCES = f"{PREFIX}:instances"
 
 
 JobStream = Literal["events", "endings"]
@@ -49,6 +51,17 @@ def runner_key(runner_id: str, part: RunnerPart | None = None) -> str:
     """The runner's state (JSON), or one of its parts: the `jobs` handed to it and not yet
     ended (a set), its `inbox` of commands and its status `history` (lists)."""
     key = f"{PREFIX}:runner:{runner_id}"
+    return key if part is None else f"{key}:{part}"
+
+
+InstancePart = Literal["ranks", "addresses"]
+
+
+def instance_key(instance_id: str, part: InstancePart | None = None) -> str:
+    """The instance's hash (`record`, `status`, `generation`), or one of its parts, each a hash
+    by rank and cleared when a new generation starts: its `ranks`' latest records and the
+    `addresses` (`host|port`) its ranks listen on for the ring."""
+    key = f"{PREFIX}:instance:{instance_id}"
     return key if part is None else f"{key}:{part}"
 
 

@@ -13,16 +13,18 @@ import os
 import signal
 from typing import Any, cast
 
+import redis
 from celery import bootsteps, current_app
 from celery.signals import worker_process_init, worker_shutting_down
 from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import jobs, recovery
+from exo_tasks import instance_service, jobs, recovery
 from exo_tasks.batch import process as batch_process
 from exo_tasks.broker import Broker, close_every_channel
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.fleet import Fleet
 from exo_tasks.fleet_types import HostState
 from exo_tasks.logs import configure_logging
 from exo_tasks.naming import host_queue, model_queue, model_slug, node_name
@@ -95,9 +97,20 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
         worker_shutting_down.connect(on_shutting_down, weak=False)
         return supervisor
 
+    def info(self, worker: Any) -> dict[str, str]:  # type: ignore[override]
+        """Part of the worker's `stats`, which Flower shows on the worker's page (its Other
+        tab): this host's runners and the instances it has a rank in."""
+        try:
+            return Fleet.load(worker.app.store).host_view(worker.app.settings.hostname)
+        except redis.RedisError as exc:  # a stats reply must not fail for it
+            return {"exo_runners": f"unknown: {exc}"}
+
     def start(self, worker: Any) -> None:
         previous = self.presence.start()
         self.recovery.start(previous)
+        # The same EXO_INSTANCES on every worker places each instance once (its id is its
+        # placement's), Pending until its hosts are live.
+        instance_service.place_configured(worker.app.store, worker.app.settings)
         # Drives OpenAI batches, in one worker at a time (its own lease), in its own process.
         self.feeder = batch_process.start(worker.app.settings, worker.app.incarnation)
         super().start(worker)
