@@ -23,6 +23,7 @@ import psutil
 
 from bench import (
     batch,
+    flood,
     frontdoor,
     instances,
     overhead,
@@ -47,6 +48,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "frontdoor": frontdoor.run,
     "prefix": prefix.run,
     "instances": instances.run,
+    "flood": flood.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

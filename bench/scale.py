@@ -70,6 +70,8 @@ def _run_once(lab: Lab, config: Config, results: Results) -> None:
         config.tiny_model,
         workers=config.scale_workers,
         max_queued_jobs=config.scale_jobs * 2,
+        # Every job comes from the bench, one client: its quota raised with the queue's.
+        max_queued_jobs_per_client=config.scale_jobs * 2,
     )
     try:
         ids: list[str] = []

@@ -7,10 +7,14 @@ from typing import Any
 
 from config.settings import Settings
 
-# Redis priorities: 0 is served first. Steps keep one list per level; "normal" is not 0 so that
-# an unprioritised message never overtakes a "high" one.
-PRIORITY_LEVELS = {"high": 0, "normal": 5, "low": 9}
-PRIORITY_STEPS = sorted(PRIORITY_LEVELS.values())
+# Redis priorities: 0 is served first, and kombu takes 0 to 9 only (it clamps the rest). Each
+# class has steps of its own: a job waits at a later step of its class the more jobs its client
+# already has waiting (exo_tasks.fairness), so one client's backlog does not hold back another's
+# first jobs. Each class holds its old level (0, 5, 9), so messages queued before go on; "normal"
+# does not start at 0 so that an unprioritised message never overtakes a "high" one.
+PRIORITY_CLASSES = {"high": range(0, 3), "normal": range(3, 7), "low": range(7, 10)}
+PRIORITY_LEVELS = {name: steps.start for name, steps in PRIORITY_CLASSES.items()}
+PRIORITY_STEPS = list(range(10))
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

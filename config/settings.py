@@ -131,11 +131,32 @@ class Settings(BaseSettings):
     # Jobs and the broker.
     max_tokens: int = 4096
     max_queued_jobs: int = 1000
+    max_queued_jobs_per_client: int = Field(
+        250,
+        ge=1,
+        description="Jobs one client (its `user`, else its API token, else its address) may "
+        "have waiting in the queues at once; past it 429 with Retry-After, while other clients' "
+        "jobs are still taken. A quarter of EXO_MAX_QUEUED_JOBS: one client does not fill a queue.",
+    )
     max_prompt_chars: int = 100_000
     max_prompt_tokens: int = Field(
         8192, ge=1, description="The cap on a prompt's tokens after the chat template."
     )
     max_stop_chars: int = Field(256, ge=1, description="The cap on each stop string's length.")
+    max_job_bytes: int = Field(
+        8 << 20,
+        ge=1 << 16,
+        description="What one job may store in Redis: its prompt, and its output twice (its "
+        "event stream and its record), log probabilities included. A job that passes it fails "
+        "with its text so far, naming this setting.",
+    )
+    redis_reserve_mb: int = Field(
+        256,
+        ge=0,
+        description="Redis memory kept for the fleet's own writes (heartbeats, runner states, "
+        "the outputs of running jobs, endings, cancels): past EXO_REDIS_MAXMEMORY_MB less this, "
+        "new jobs, files and batches are refused with 503 (storage_full).",
+    )
     max_body_bytes: int = 1 << 20
     broker_visibility_timeout_s: float = 3600.0
     broker_restore_interval_s: float = 10.0

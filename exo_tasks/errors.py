@@ -70,6 +70,12 @@ class QueueFull(ComeBackLater):
     type = "queue_full"
 
 
+class ClientQuotaFull(QueueFull):
+    """The client has EXO_MAX_QUEUED_JOBS_PER_CLIENT jobs waiting."""
+
+    type = "client_quota_full"
+
+
 class StreamsFull(ComeBackLater):
     """This API process has EXO_MAX_STREAMS streams open."""
 

@@ -192,9 +192,14 @@ class SharedReads:
         self._store = store
         self._fleet = SharedRead(partial(Fleet.load, store))
         self._depths: dict[str, SharedRead[int]] = {}  # by queue: one per model and host
+        self._memory = SharedRead(store.memory)
 
     def fleet(self) -> Fleet:
         return self._fleet.get()
+
+    def memory(self) -> tuple[int, int]:
+        """Redis's memory in use and its maxmemory (Store.memory)."""
+        return self._memory.get()
 
     def queue_depth(self, queue: str) -> int:
         read = self._depths.get(queue)

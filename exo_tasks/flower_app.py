@@ -1,20 +1,36 @@
 """The Celery app as Flower loads it (`celery -A exo_tasks.flower_app flower`), with Flower's
-`/metrics` behind Flower's own auth.
+`/metrics` behind Flower's own auth, and its API's 401 asking for basic auth.
 
 Flower 2.2.0 checks basic auth only in handlers marked `@authenticated`; its Prometheus
 `/metrics` is not, so it answers anyone who can connect, whatever `--basic-auth` says.
+
+Flower's pages answer 401 with `WWW-Authenticate: Basic realm="flower"`, its API (`/api/...`)
+without it: a browser that opened a deep link (`/task/<id>`) holds credentials for that page's
+path only, and re-sends them to `/api/task/revoke/...` only when the 401 names the same realm.
+Without it the Terminate button got an empty red notice and did nothing.
+
+Flower inspects the workers as it starts, usually before any is up (`exo-tasks up` starts them
+together): a warning for each of four inspect methods that no worker answered in time. It
+shows the workers from their events all the same, and inspects again whenever a worker's page
+is opened or the list refreshed, so that warning is dropped; an inspection that raised is
+still logged.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import tornado.web
+from flower.api import BaseApiHandler
 from flower.views.monitor import Metrics
 
 from exo_tasks.worker.app import app
 
 __all__ = ["app"]
+
+# The realm of Flower's own pages (flower.views.BaseHandler.write_error).
+BASIC_CHALLENGE = 'Basic realm="flower"'
 
 
 def _authenticated(handler: Any) -> None:
@@ -24,4 +40,20 @@ def _authenticated(handler: Any) -> None:
         raise tornado.web.HTTPError(401)
 
 
+_api_write_error = BaseApiHandler.write_error
+
+
+def _api_error_with_challenge(handler: Any, status_code: int, **kwargs: Any) -> None:
+    if status_code == 401 and handler.application.options.basic_auth:
+        handler.set_header("WWW-Authenticate", BASIC_CHALLENGE)
+    _api_write_error(handler, status_code, **kwargs)
+
+
+def _unless_unanswered(record: logging.LogRecord) -> bool:
+    # flower.inspector's own words when `inspect` returned no reply at all (None).
+    return record.msg != "Inspect method %s failed"
+
+
 Metrics.prepare = _authenticated
+BaseApiHandler.write_error = _api_error_with_challenge
+logging.getLogger("flower.inspector").addFilter(_unless_unanswered)

@@ -16,7 +16,8 @@ from config.settings import Settings
 from exo_tasks import lifecycle, limits, metrics, prefix_routing
 from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
-from exo_tasks.errors import Conflict, NotFound, QueueFull
+from exo_tasks.errors import ClientQuotaFull, Conflict, NotFound, QueueFull
+from exo_tasks.fairness import Client
 from exo_tasks.fleet import Fleet
 from exo_tasks.naming import find_model, host_queue, instance_queue, model_queue, model_slug
 from exo_tasks.store import Store
@@ -75,18 +76,19 @@ def route(
     fleet: Fleet, settings: Settings, request: JobRequest, store: Store | None = None
 ) -> Route:
     """Where `request` goes in `fleet`, or why it cannot go now: 404 for a model or host no
-    live host serves, 503 when every runner that could take it is down, 400 for tools the
-    model cannot call. Checked before a stream's first byte, so a client's mistake keeps its
+    live host serves, 503 when every runner that could take it is down (or every instance of a
+    model only instances serve cannot take it: fleet.instance_for), 400 for tools the model
+    cannot call. Checked before a stream's first byte, so a client's mistake keeps its
     status. A full queue's 429 comes from the job's creation (submit), or for a stream from
     refuse_if_full before its first byte. With `store`, an unpinned job may go to the host
     that ran its prompt's prefix (exo_tasks.prefix_routing)."""
     model = resolve_model(fleet, settings, request.model)
     instance = fleet.instance_for(model, request.host)
-    if instance is not None:
-        return Route(model, instance_queue(instance.id), instance.id)
-    queue = fleet.queue_for(model, request.host)
+    queue = instance_queue(instance.id) if instance else fleet.queue_for(model, request.host)
     if request.tools:
         fleet.refuse_tools_unless_supported(model)
+    if instance is not None:
+        return Route(model, queue, instance.id)
     if store is not None and request.host is None:
         queue = _queue_by_prefix(store, fleet, settings, model, request) or queue
     return Route(model, queue)
@@ -122,6 +124,17 @@ def refuse_if_full(queue: str, depth: int, settings: Settings) -> None:
         )
 
 
+def refuse_over_quota(client: Client, waiting: int, settings: Settings) -> None:
+    """429 once `client` has EXO_MAX_QUEUED_JOBS_PER_CLIENT jobs waiting, or more."""
+    quota = settings.max_queued_jobs_per_client
+    if waiting >= quota:
+        raise ClientQuotaFull(
+            f"{client.label} has {waiting} jobs waiting, the most one client may have "
+            f"(EXO_MAX_QUEUED_JOBS_PER_CLIENT={quota}); other clients' jobs are still taken",
+            retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+        )
+
+
 def submit(
     store: Store,
     celery: Celery,
@@ -129,19 +142,27 @@ def submit(
     request: JobRequest,
     job_id: str | None = None,
     where: Route | None = None,
+    *,
+    client: Client,
 ) -> JobRecord:
     """Record the job, then send its task: a job the API accepted is never unknown. A pinned
     job goes to its host's own queue, which only that host's worker consumes. Once
-    EXO_MAX_QUEUED_JOBS jobs wait in the queue, 429: the client backs off, Redis does not
-    fill up. `job_id`: one chosen beforehand (new_job_id), already given to the client;
-    `where`: its route, if already found."""
+    EXO_MAX_QUEUED_JOBS jobs wait in the queue, or EXO_MAX_QUEUED_JOBS_PER_CLIENT of its
+    `client`'s, 429: the client backs off, Redis does not fill up, other clients go on. The job
+    waits at the step of its priority class its client's waiting jobs give it (fairness.py).
+    `job_id`: one chosen beforehand (new_job_id), already given to the client; `where`: its
+    route, if already found; `client`: who sent it (exo_tasks.fairness)."""
     where = where or route(Fleet.load(store), settings, request, store)
     job = JobRecord(
         id=job_id or new_job_id(), model=where.model, request=request, instance=where.instance
     )
-    depth = store.create_job(job, where.queue, settings.max_queued_jobs)
-    refuse_if_full(where.queue, depth, settings)  # counted as the job was created: this holds
-    send(celery, settings, job, where.queue)
+    quota = settings.max_queued_jobs_per_client
+    admitted = store.create_job(job, where.queue, settings.max_queued_jobs, client.key, quota)
+    # Counted as the job was created: these hold.
+    refuse_if_full(where.queue, admitted.depth, settings)
+    refuse_over_quota(client, admitted.client_waiting, settings)
+    assert admitted.step is not None, "a job refused by neither count was created"
+    send(celery, settings, job, where.queue, admitted.step)
     return job
 
 
@@ -155,17 +176,22 @@ def queue_of(job: JobRecord) -> str:
 
 
 def resend(store: Store, celery: Celery, settings: Settings, job: JobRecord) -> None:
-    """Send a queued job's message again, to queue_of(job), and record that queue as the
-    one its message is in (the recovery loop looks for it there)."""
+    """Send a queued job's message again, to queue_of(job), at the step it was given, and
+    record that queue as the one its message is in (the recovery loop looks for it there)."""
     queue = queue_of(job)
     store.set_job_queue(job.id, queue)
-    send(celery, settings, job, queue)
+    send(celery, settings, job, queue, store.queue_priority(job.id))
 
 
-def send(celery: Celery, settings: Settings, job: JobRecord, queue: str) -> None:
-    """Send the job's `inference` message to `queue`, with its time limits and priority. The
-    task id is the job id, so Celery's and Flower's views name the job."""
+def send(
+    celery: Celery, settings: Settings, job: JobRecord, queue: str, step: int | None = None
+) -> None:
+    """Send the job's `inference` message to `queue`, with its time limits, at priority step
+    `step` (None: its class's first). The task id is the job id, so Celery's and Flower's
+    views name the job."""
     job_limits = limits.job_limits(job.request.timeout_s, settings)
+    if step is None:
+        step = PRIORITY_LEVELS[job.request.priority]
     celery.send_task(
         INFERENCE_TASK,
         args=[job.id, job.model],
@@ -174,7 +200,7 @@ def send(celery: Celery, settings: Settings, job: JobRecord, queue: str) -> None
         # Celery takes float seconds here; its stubs say int.
         soft_time_limit=job_limits.soft_s,  # type: ignore[arg-type]
         time_limit=job_limits.hard_s,  # type: ignore[arg-type]
-        priority=PRIORITY_LEVELS[job.request.priority],
+        priority=step,
     )
 
 

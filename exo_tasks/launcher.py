@@ -247,7 +247,7 @@ class Launcher:
     def run(self) -> int:
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda signum, _: self.signals.append(signum))
-        # The Procfile's commands are this same `exo-tasks`: resolve them to this install.
+        # This install's commands first on the children's PATH, whatever they run by name.
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         env = {**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1"}
         # Every child first, from this thread (the death signal is tied to the forking thread),
@@ -275,8 +275,13 @@ class Launcher:
         return 0 if self.signals else 1
 
     def _start(self, entry: ProcfileEntry, env: dict[str, str]) -> IO[bytes]:
+        argv = shlex.split(entry.command)
+        # `.venv/bin/exo-tasks` in the Procfile (honcho runs it from the project's root
+        # whether the venv is activated or not): here, this install's, wherever `up` runs.
+        if Path(argv[0]).name == "exo-tasks":
+            argv[0] = str(Path(sys.executable).parent / "exo-tasks")
         popen = subprocess.Popen(
-            shlex.split(entry.command),
+            argv,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

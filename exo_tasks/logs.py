@@ -19,6 +19,13 @@ def _quote(value: Any) -> str:
     return text
 
 
+def _without_traceback(data: dict[str, Any]) -> dict[str, Any]:
+    # Celery's task log lines carry their context as `data`, with the traceback in it even when
+    # Celery's own policy prints none (a task ignored, at info: every cancel). A traceback
+    # Celery means to show comes as the record's exc_info, printed below.
+    return {key: value for key, value in data.items() if key != "traceback"}
+
+
 class LogfmtFormatter(logging.Formatter):
     def __init__(self, context: dict[str, Any]) -> None:
         super().__init__()
@@ -33,6 +40,8 @@ class LogfmtFormatter(logging.Formatter):
             **self.context,
         }
         fields.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if isinstance(fields.get("data"), dict):
+            fields["data"] = _without_traceback(fields["data"])
         line = " ".join(f"{key}={_quote(value)}" for key, value in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)

@@ -26,7 +26,7 @@ from exo_tasks.openai_types import (
     OpenAIFinishReason,
     openai_finish_reason,
 )
-from exo_tasks.types import JobRecord, TokenEvent
+from exo_tasks.types import JobEnding, JobRecord, TokenEvent
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Sent:
 class Renderer(Protocol):
     """How one route shows a job: whole, or as the chunks of a stream."""
 
-    def whole(self, job: JobRecord) -> BaseModel: ...
+    def whole(self, job: JobEnding) -> BaseModel: ...
 
     def opening(self, job: JobRecord) -> list[BaseModel]: ...
 
@@ -56,10 +56,10 @@ class Renderer(Protocol):
         sent: Sent,
     ) -> BaseModel: ...
 
-    def usage_chunk(self, job: JobRecord) -> BaseModel: ...
+    def usage_chunk(self, job: JobEnding) -> BaseModel: ...
 
 
-def _header(job: JobRecord, prefix: str) -> dict[str, Any]:
+def _header(job: JobEnding, prefix: str) -> dict[str, Any]:
     """What every chunk of one answer repeats: its id, creation time and model."""
     return {
         "id": f"{prefix}-{job.id}",
@@ -69,7 +69,7 @@ def _header(job: JobRecord, prefix: str) -> dict[str, Any]:
 
 
 class ChatRenderer:
-    def whole(self, job: JobRecord) -> ChatCompletion:
+    def whole(self, job: JobEnding) -> ChatCompletion:
         output = job.output
         calls = output.tool_calls
         choice = ChatChoice(
@@ -103,12 +103,12 @@ class ChatRenderer:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
         return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[choice])
 
-    def usage_chunk(self, job: JobRecord) -> ChatCompletionChunk:
+    def usage_chunk(self, job: JobEnding) -> ChatCompletionChunk:
         return ChatCompletionChunk(**_header(job, "chatcmpl"), choices=[], usage=job.usage)
 
 
 class TextRenderer:
-    def whole(self, job: JobRecord) -> Completion:
+    def whole(self, job: JobEnding) -> Completion:
         output = job.output
         logprobs = CompletionLogprobs.of(output.logprobs) if output.logprobs is not None else None
         choice = CompletionChoice(
@@ -136,10 +136,10 @@ class TextRenderer:
         choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
         return Completion(**_header(job, "cmpl"), choices=[choice])
 
-    def usage_chunk(self, job: JobRecord) -> Completion:
+    def usage_chunk(self, job: JobEnding) -> Completion:
         return Completion(**_header(job, "cmpl"), choices=[], usage=job.usage)
 
 
-def failure(job: JobRecord) -> RunnerGone:
+def failure(job: JobEnding) -> RunnerGone:
     """A failed job: its runner died, stalled or was shut down before it finished."""
     return RunnerGone(job.error or f"job {job.id} failed", {"job_id": job.id})

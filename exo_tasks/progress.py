@@ -36,13 +36,14 @@ def with_progress(job: JobRecord, events: list[tuple[str, JobEvent]], now: datet
         return job
     texts: list[str] = []
     first_at: datetime | None = None
+    tokens = 0
     for entry_id, event in events:
         if isinstance(event, RequeuedEvent):  # an earlier attempt's text is discarded
-            texts, first_at = [], None
+            texts, first_at, tokens = [], None, 0
         elif isinstance(event, TokenEvent):
             texts.append(event.text)
             first_at = first_at or entry_time(entry_id)
-    tokens = len(texts)
+            tokens = max(event.tokens, len(texts))  # tokens, not events (older: events)
     timings = Timings()
     if job.started_at is not None:
         timings.queue_ms = milliseconds(job.started_at - job.created_at)

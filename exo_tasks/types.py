@@ -233,13 +233,13 @@ class Timings(BaseModel):
     tokens_per_s: float | None = None
 
 
-class JobRecord(BaseModel):
-    """The job as stored in Redis and returned by GET /v1/jobs/<id>."""
+class JobEnding(BaseModel):
+    """A job but its request: how it ended, as its done event carries it. Its record keeps the
+    request (a 100,000-character prompt was kept three times over) and the logprobs."""
 
     id: str
     status: JobStatus = JobStatus.QUEUED
     model: str
-    request: JobRequest
     host: str | None = None
     runner_id: str | None = None
     instance: str | None = Field(
@@ -261,6 +261,12 @@ class JobRecord(BaseModel):
     @property
     def is_terminal(self) -> bool:
         return self.status.is_terminal
+
+
+class JobRecord(JobEnding):
+    """The job as stored in Redis and returned by GET /v1/jobs/<id>."""
+
+    request: JobRequest
 
     def ended(
         self,
@@ -317,6 +323,10 @@ class TokenEvent(BaseModel):
     event: Literal["token"] = "token"
     index: int
     text: str
+    # The attempt's tokens so far, the EOS included: a step's text can be empty (held back
+    # while it may begin a stop string, or the EOS), so events undercount tokens. 0 in
+    # streams written before it was added.
+    tokens: int = 0
     # Only when the job asked for logprobs, or its output called tools: absent otherwise.
     logprobs: list[TokenLogprob] | None = Field(None, exclude_if=absent_when_none)
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=absent_when_none)
@@ -326,7 +336,7 @@ class DoneEvent(BaseModel):
     """The last event of a stream; `event` is `error` when the job failed."""
 
     event: Literal["done", "error"]
-    job: JobRecord
+    job: JobEnding  # given a JobRecord, written without its request
 
 
 class RequeuedEvent(BaseModel):

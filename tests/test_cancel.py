@@ -71,7 +71,7 @@ def test_a_cancelled_queued_job_never_runs(
 def test_a_cancelled_running_job_keeps_its_text_and_spares_its_batch_and_model(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
-    new_worker(stack, processes, tiny_model, tmp_path, "cx-run")
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "cx-run")
     before = runner_state(stack.store, "cx-run")
     mate_request = {"prompt": "mate", "max_tokens": 800, "ignore_eos": True, "host": "cx-run"}
     long = stack.api.submit(**LONG, host="cx-run")
@@ -96,6 +96,10 @@ def test_a_cancelled_running_job_keeps_its_text_and_spares_its_batch_and_model(
     assert finished["output"]["text"] == alone["output"]["text"]
     after = runner_state(stack.store, "cx-run")
     assert after.pid == before.pid and after.model_loads == before.model_loads == 1
+    # The cancel's end in the worker's log: one line at info, no traceback of Celery's Ignore.
+    ignored = next(line for line in worker.log_text().splitlines() if f"[{long}] ignored" in line)
+    assert "level=info" in ignored and "Traceback" not in ignored
+    assert "celery.exceptions.Ignore" not in worker.log_text()
 
 
 def active_jobs(stack: Stack, host: str) -> int:

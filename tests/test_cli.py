@@ -106,6 +106,11 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
         "every process of the stack to exit",
     )
     assert time.monotonic() - started < 12
+    # Nothing in the stack's output that reads like trouble when there is none: gevent's
+    # warning about ssl at each API worker's start, Flower's inspections before any worker was
+    # up.
+    output = (tmp_path / "up.log").read_text()
+    assert "MonkeyPatchWarning" not in output and "Inspect method" not in output
 
 
 def _answers(url: str) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.conftest import Stack
 from tests.support.batches import chat_line, jsonl
-from tests.test_cli_client import exo_tasks, rows
+from tests.test_cli_client import UTC_TIME, exo_tasks, rows
 
 
 def test_submit_wait_then_list_status_and_results(stack: Stack, tmp_path: Path) -> None:
@@ -27,7 +27,9 @@ def test_submit_wait_then_list_status_and_results(stack: Stack, tmp_path: Path) 
 
     listed = rows(exo_tasks(stack.api, "batch", "list").stdout)
     assert listed[0] == ["ID", "STATUS", "ENDPOINT", "DONE", "FAILED", "CREATED"]
-    assert [batch_id, "completed", "/v1/chat/completions", "5/5", "0"] in [r[:5] for r in listed]
+    row = next(r for r in listed if r[0] == batch_id)
+    assert row[:5] == [batch_id, "completed", "/v1/chat/completions", "5/5", "0"]
+    assert UTC_TIME.fullmatch(row[5])  # as `jobs` prints its times
     status = json.loads(exo_tasks(stack.api, "batch", "status", batch_id).stdout)
     assert status["id"] == batch_id and status["request_counts"]["completed"] == 5
     saved = tmp_path / "again.jsonl"

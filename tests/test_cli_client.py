@@ -4,6 +4,7 @@ the jobs/runners/hosts tables, cancel and shutdown."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,18 +12,30 @@ from typing import Any
 import pytest
 
 from exo_tasks.types import JobRequest
-from tests.conftest import Stack
+from tests.conftest import LONG, Stack, wait_tokens
 from tests.support.api import Api, api_settings, serving
 from tests.support.held_hosts import held_hosts
-from tests.support.processes import EXO_TASKS, Processes, exo_env, wait_until
+from tests.support.processes import (
+    EXO_TASKS,
+    Processes,
+    exo_env,
+    free_port,
+    start_redis,
+    wait_until,
+)
 from tests.support.workers import start_worker, wait_runner_ready
 
 TOKEN = "cli-token"
+# Every time the CLI prints: UTC, to the second, saying so.
+UTC_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([EXO_TASKS, *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def exo_tasks(api: Api, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = exo_env(api_url=api.url, **({"api_token": token} if token else {}))
-    return subprocess.run([EXO_TASKS, *args], env=env, capture_output=True, text=True, timeout=60)
+    return run_cli(exo_env(api_url=api.url, **({"api_token": token} if token else {})), *args)
 
 
 def rows(table: str) -> list[list[str]]:
@@ -40,12 +53,35 @@ def test_submit_quiet_shows_a_progress_bar_then_the_text(stack: Stack) -> None:
     assert "[succeeded:" in result.stderr
 
 
+def test_submit_quiets_bar_counts_tokens_not_text_events(stack: Stack) -> None:
+    # A token that may begin a stop string is held back, the one that completes it cut: they
+    # send no text. Stop at the last token of a free run of the same (greedy) job.
+    free = stack.api.wait_job(
+        stack.api.submit(prompt="count", max_tokens=16, ignore_eos=True, logprobs=True)
+    )
+    text, last = free["output"]["text"], free["output"]["logprobs"][-1]["token"]
+    assert text.endswith(last) and text.find(last) == len(text) - len(last)
+    result = exo_tasks(
+        stack.api,
+        *("submit", "count", "--max-tokens", "16", "--ignore-eos", "--stop", last, "--quiet"),
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = result.stderr.split()[1]
+    job = stack.api.get(f"/v1/jobs/{job_id}").json()
+    assert job["output"]["finish_reason"] == "stop" and job["usage"]["completion_tokens"] == 16
+    assert stack.store.streamed_text(job_id)[1] < 16  # fewer text events than tokens
+    bars = [line for line in result.stderr.splitlines() if line.endswith("/16 tokens")]
+    assert bars[-1] == "[" + "#" * 30 + "] 16/16 tokens"
+
+
 def test_jobs_runners_and_hosts_are_tables(stack: Stack) -> None:
     job_id = stack.api.submit(prompt="listed", max_tokens=3)
     stack.api.wait_job(job_id)
     jobs = rows(exo_tasks(stack.api, "jobs", "--limit", "5").stdout)
-    assert jobs[0] == ["ID", "STATUS", "MODEL", "HOST", "TOKENS", "CREATED"]
-    assert [job_id, "succeeded", "tiny", "host-a", "3"] in [row[:5] for row in jobs]
+    assert jobs[0] == ["ID", "STATUS", "MODEL", "HOST", "TOKENS", "FINISH", "CREATED", "ERROR"]
+    listed = {row[0]: row for row in jobs}
+    assert listed[job_id][:6] == [job_id, "succeeded", "tiny", "host-a", "3/3", "length"]
+    assert UTC_TIME.fullmatch(listed[job_id][6]) and listed[job_id][7] == "-"
     assert len(jobs) <= 6
 
     runners = {row[0]: row for row in rows(exo_tasks(stack.api, "runners").stdout)}
@@ -56,6 +92,61 @@ def test_jobs_runners_and_hosts_are_tables(stack: Stack) -> None:
     assert hosts["HOST"] == ["HOST", "PID", "CONCURRENCY", "RUNNERS", "QUEUED"]
     assert hosts["host-a"][1] == str(stack.worker.pid)
     assert hosts["host-a"][3].startswith("tiny:")
+
+
+def test_jobs_shows_a_running_jobs_tokens_against_its_maximum_and_why_jobs_ended(
+    stack: Stack,
+) -> None:
+    running = stack.api.submit(**LONG)
+    # One token per character with the tiny model: over EXO_MAX_PROMPT_TOKENS (8192), which
+    # only the runner counts.
+    failed = stack.api.submit(prompt="a" * 9000, max_tokens=4)
+    try:
+        wait_tokens(stack, running)
+        row = {r[0]: r for r in rows(exo_tasks(stack.api, "jobs", "--status", "running").stdout)}
+        done, maximum = row[running][4].split("/")
+        assert 0 < int(done) < 4000 and maximum == "4000" and row[running][5] == "-"
+    finally:
+        stack.api.post(f"/v1/jobs/{running}/cancel")
+    error = stack.api.wait_job(failed)["error"]
+    table = exo_tasks(stack.api, "jobs", "--status", "failed").stdout
+    line = next(line for line in table.splitlines() if line.startswith(failed))
+    assert " ".join(error.split())[:40] in line
+    assert stack.api.wait_job(running)["status"] == "cancelled"
+    cancelled = {r[0]: r for r in rows(exo_tasks(stack.api, "jobs", "--limit", "10").stdout)}
+    assert cancelled[running][1] == "cancelled" and cancelled[running][5] == "cancelled"
+
+
+def test_empty_listings_say_so(processes: Processes, tiny_model: Path, tmp_path: Path) -> None:
+    # A Redis of its own: no job, no host, no batch has ever been there.
+    redis = start_redis(processes, tmp_path)
+    with serving(api_settings(redis.url, [tiny_model])) as api:
+        for args, line in [
+            (["jobs", "--status", "failed"], "no jobs with status failed"),
+            (["jobs"], "no jobs"),
+            (["hosts"], "no hosts"),
+            (["runners"], "no runners"),
+            (["batch", "list"], "no batches"),
+        ]:
+            result = exo_tasks(api, *args)
+            assert result.returncode == 0 and result.stdout == line + "\n", (args, result)
+
+
+def test_an_unreachable_api_is_one_line_naming_its_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for args in (["jobs"], ["submit", "hi"], ["batch", "list"]):
+        result = run_cli(exo_env(api_url=url), *args)
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr == f"exo-tasks: cannot reach the API at {url}\n"
+
+
+def test_submit_help_states_the_apis_cap_from_the_settings() -> None:
+    env = exo_env(max_tokens=64)
+    help_text = " ".join(run_cli(env, "submit", "--help").stdout.split())
+    assert "tokens to generate, 1 to 64 (EXO_MAX_TOKENS, the API's cap)" in help_text
+    refused = run_cli(env, "submit", "p", "--max-tokens", "65")
+    assert refused.returncode == 2
+    assert "--max-tokens: 65 is out of range: must be >= 1 and <= 64" in refused.stderr
 
 
 def test_cancel_sends_the_token_and_errors_name_the_status(stack: Stack, tiny_model: Path) -> None:
@@ -145,6 +236,7 @@ def job_request(stack: Stack, result: subprocess.CompletedProcess[str]) -> dict[
             "'cancelled', 'timed_out')",
         ),
         (["submit", "p", "--max-tokens", "0"], "--max-tokens: 0 is out of range: must be >= 1"),
+        (["submit", "p", "--max-tokens", "5000"], "5000 is out of range: must be >= 1 and <= 4096"),
         (["submit", "p", "--temperature", "2.5"], "must be >= 0.0 and <= 2.0"),
         (["submit", "p", "--top-p", "0"], "--top-p: 0 is out of range: must be > 0.0 and <= 1.0"),
         (["submit", "p", "--seed", str(2**64)], "must be >= 0 and < 18446744073709551616"),

@@ -175,6 +175,32 @@ def test_a_full_queue_is_429_with_retry_after(
             cancel_all(api, queued)
 
 
+def test_a_client_at_its_quota_is_429_even_before_a_streams_first_byte_while_others_are_taken(
+    stack: Stack, fleet: TwoHosts, tmp_path: Path
+) -> None:
+    queued: list[str] = []
+    settings = api_settings(stack.redis.url, [tmp_path / "alpha"], max_queued_jobs_per_client=2)
+    heavy = {**LONG_ON_X, "user": "heavy"}
+    with serving(settings) as api, x_busy(api):
+        try:
+            queued = [api.submit(**heavy) for _ in range(2)]
+            over = api.post("/v1/jobs", json=heavy)
+            assert over.status_code == 429 and over.headers["Retry-After"] == "5"
+            error = over.json()["error"]
+            assert error["type"] == "client_quota_full"
+            assert "user 'heavy' has 2 jobs waiting" in error["message"]
+            assert "EXO_MAX_QUEUED_JOBS_PER_CLIENT=2" in error["message"]
+            body = {"model": "alpha", "prompt": "s", "max_tokens": 2, "stream": True, **heavy}
+            streamed = api.post("/v1/completions", json=body, stream=True)
+            assert streamed.status_code == 429 and streamed.headers["Retry-After"] == "5"
+            assert "EXO_MAX_QUEUED_JOBS_PER_CLIENT=2" in streamed.text
+            # Other clients: another user, and one named by its address (no user given).
+            queued.append(api.submit(**{**heavy, "user": "light"}))
+            queued.append(api.submit(**LONG_ON_X))
+        finally:
+            cancel_all(api, queued)
+
+
 def test_a_high_priority_job_overtakes_queued_normal_ones(stack: Stack, fleet: TwoHosts) -> None:
     short = {**LONG_ON_X, "max_tokens": 4}
     with x_busy(stack.api):

@@ -144,6 +144,22 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
     assert "'status': 'succeeded'" in task["result"]
 
 
+def test_flowers_api_asks_for_basic_auth_in_the_realm_of_its_pages(flower: Flower) -> None:
+    # A browser that opened a deep link (/task/<id>) re-sends its credentials to the API (the
+    # Terminate button's POST) only when the API's 401 asks for the realm of the pages.
+    challenge = flower.get("/").headers["WWW-Authenticate"]
+    assert challenge == 'Basic realm="flower"'
+    revoke = f"{flower.url}/api/task/revoke/{'0' * 32}"
+    for response in (
+        flower.get("/api/workers"),
+        flower.get("/api/tasks", auth=("admin", "wrong")),
+        requests.post(revoke, params={"terminate": "true"}, timeout=10),
+    ):
+        assert response.status_code == 401
+        assert response.headers.get("WWW-Authenticate") == challenge
+    assert flower.get("/api/workers", auth=AUTH).status_code == 200
+
+
 def worker_processes(fleet: TwoHosts) -> set[int]:
     """The pids of fleet-y's pool children and runners: a killed pool child is replaced."""
     return {child.pid for child in psutil.Process(fleet.y.pid).children(recursive=True)}

@@ -15,14 +15,16 @@ from typing import Any
 
 import pytest
 
+from exo_tasks import lifecycle
+from exo_tasks.commands import SubmitJob
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.instances import InstanceRecord, InstanceStatus
-from exo_tasks.naming import instance_queue, model_queue, runner_id_for
-from exo_tasks.store import Store, job_key, runner_key
-from exo_tasks.store.keys import RUNNERS
+from exo_tasks.naming import instance_queue, instance_runner_id, model_queue, runner_id_for
+from exo_tasks.store import Store, job_key
 from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api
-from tests.support.held_hosts import held_hosts, move_instance
+from tests.support.held_hosts import held_hosts, held_incarnation, held_runner, move_instance
+from tests.support.metrics import scrape, value
 
 HELD = ("held-a", "held-b")
 JOB = {"prompt": "hi", "max_tokens": 4}
@@ -147,15 +149,57 @@ def test_a_model_whose_whole_runners_are_all_down_goes_to_its_instance(
     whole = RunnerState(
         id=runner_id_for("omega", "held-w"), host="held-w", model="omega", status=READY_RUNNER
     )
-    with held_hosts(store, "held-w", models=["omega"]):
-        store.publish_runner(whole)
-        try:
-            job = queued_job(api, model="omega")
-            assert job["instance"] is None
-            assert store.redis.hget(job_key(job["id"]), "queue") == model_queue("omega")
-            # Stopped for good: the instance takes the model's jobs.
-            store.publish_runner(whole.model_copy(update={"status": RunnerStatus.SHUTDOWN}))
-            assert queued_job(api, model="omega")["instance"] == instance.id
-        finally:
-            store.redis.srem(RUNNERS, whole.id)
-            store.redis.delete(runner_key(whole.id), runner_key(whole.id, "history"))
+    with held_hosts(store, "held-w", models=["omega"]), held_runner(store, whole):
+        job = queued_job(api, model="omega")
+        assert job["instance"] is None
+        assert store.redis.hget(job_key(job["id"]), "queue") == model_queue("omega")
+        # Stopped for good: the instance takes the model's jobs.
+        store.publish_runner(whole.model_copy(update={"status": RunnerStatus.SHUTDOWN}))
+        assert queued_job(api, model="omega")["instance"] == instance.id
+
+
+@pytest.fixture
+def ready_gamma(stack: Stack, gamma_model: Path, placed: list[str]) -> str:
+    """An instance of gamma on the held hosts, Ready."""
+    instance_id = place(stack.api, placed, str(gamma_model))
+    move_instance(stack.store, instance_id, STARTING, READY)
+    return instance_id
+
+
+def test_metrics_count_an_instances_jobs_for_its_model(stack: Stack, ready_gamma: str) -> None:
+    api, store, instance_id = stack.api, stack.store, ready_gamma
+    job_id = api.submit(model="gamma", **JOB)
+    waiting = value(scrape(api.url), "exo_num_requests_waiting", model="gamma")
+    assert waiting == store.queue_depth(instance_queue(instance_id)) >= 1
+    # Handed to rank 0 as rank 0's host hands it over: running there.
+    rank0 = instance_runner_id(instance_id, 0)
+    job = store.get_job(job_id)
+    assert job is not None
+    owner = held_incarnation(HELD[0])
+    running = lifecycle.start(job, host=HELD[0], runner_id=rank0, owner=owner)
+    assert store.hand_over(rank0, SubmitJob(job=running, soft_deadline=0, deadline=0))
+    try:
+        assert value(scrape(api.url), "exo_num_requests_running", model="gamma") == 1
+    finally:
+        store.fail_runner_jobs(rank0, "test over")
+
+
+def test_tools_for_an_instance_whose_rank_0_has_no_tool_calling_are_refused(
+    stack: Stack, ready_gamma: str
+) -> None:
+    api, store, instance_id = stack.api, stack.store, ready_gamma
+    # Rank 0's runner, as it publishes itself once loaded: the model's template takes no tools.
+    rank0 = RunnerState(
+        id=instance_runner_id(instance_id, 0),
+        host=HELD[0],
+        model="gamma",
+        status=READY_RUNNER,
+        tool_calling=False,
+    )
+    with held_runner(store, rank0):
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        status, message = refused(api, model="gamma", tools=[tool])
+        assert status == 422, message
+        assert message == (
+            "model 'gamma' does not support tools: its chat template has no tool calling"
+        )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-from exo_tasks import broker, jobs
+from exo_tasks import broker, fairness, jobs
 from exo_tasks.broker import Broker
 from exo_tasks.fleet_types import HostState
 from exo_tasks.naming import host_queue
@@ -128,7 +128,7 @@ def test_a_queued_job_whose_message_was_lost_is_sent_again_exactly_once(stack: S
         model="tiny",
         request=JobRequest.model_validate({"prompt": "lost", "max_tokens": 8}),
     )
-    assert stack.store.create_job(job, "exo.model.tiny", max_queued=1_000) == 0
+    assert stack.store.create_job(job, "exo.model.tiny", max_queued=1_000).depth == 0
     started = time.monotonic()
     ended = stack.api.wait_job(job.id, timeout_s=30)
     assert ended["status"] == "succeeded" and ended["attempts"] == 0
@@ -188,6 +188,26 @@ def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(
     assert stack.api.get(f"/v1/jobs/{job.id}").json()["status"] == "queued"  # not failed
     assert stack.api.post("/v1/runners", json={"model": "tiny", "host": host}).status_code == 202
     assert stack.api.wait_job(job.id, timeout_s=60)["status"] == "succeeded"
+
+
+def test_a_job_sent_again_waits_at_the_step_its_client_gave_it(stack: Stack) -> None:
+    # The recovery loop's resend: a job that waited at a later step of its class, behind other
+    # clients' first jobs, goes back there, not ahead of them.
+    host = f"nobody-{uuid.uuid4().hex[:6]}"  # no worker consumes its queue
+    client = fairness.client_of(host, None, None).key
+    request = JobRequest.model_validate({"prompt": "x", "max_tokens": 1, "host": host})
+    queued = [JobRecord(id=uuid.uuid4().hex, model="tiny", request=request) for _ in range(3)]
+    steps = [stack.store.create_job(j, host_queue(host), 1_000, client, 10).step for j in queued]
+    assert steps == [3, 4, 5]
+    context = stack.api.app.extensions["exo"]
+    try:
+        jobs.resend(stack.store, context.celery, context.settings, queued[2])
+        waiting = stack.store.redis.lrange(broker.queue_lists(host_queue(host))[5], 0, -1)
+        assert [json.loads(raw)["headers"]["id"] for raw in waiting] == [queued[2].id]
+    finally:
+        for job in queued:
+            jobs.cancel(stack.store, job.id)
+        stack.store.redis.delete(*broker.queue_lists(host_queue(host)))
 
 
 def test_a_message_started_but_stuck_in_a_live_workers_pool_goes_back_to_its_queue(

@@ -11,6 +11,7 @@ import pytest
 
 from exo_tasks.commands import StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
+from exo_tasks.runner import intake
 from exo_tasks.runner import loop as runner_module
 from exo_tasks.runner.lane import EngineFinish, TokenDelta
 from exo_tasks.runner.loop import Runner
@@ -47,6 +48,7 @@ class FakeEngine:
     tool_calling = False
     prompt_cache_bytes = 0
     weights_bytes = 0
+    prompt_tokenizer = None
 
     def __init__(self) -> None:
         self.jobs: dict[str, int] = {}  # job id -> its max_tokens
@@ -172,6 +174,48 @@ def test_a_burst_is_gathered_up_to_a_prefill_batch(
     runner._gather_burst(decoding=6)
     # Commands already in the inbox are all taken at once, past the prefill batch size.
     assert len(runner.active) == 11 and time.monotonic() - started < 0.5
+
+
+def test_a_flood_of_slow_refusals_is_taken_over_rounds_each_with_a_step(
+    runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the loop took every command waiting before it stepped: 150 prompts of 100,000
+    characters, 20-120 ms each to tokenize and refuse, held the batch for seconds."""
+    decoding = submit()
+    decoding.job.request.max_tokens = 100
+    runner._admit(decoding)
+
+    def slow_encode(prompt: str | None, messages: Any, tools: Any = None) -> list[int]:
+        time.sleep(0.03)
+        return [1] * 101  # over the cap of 100
+
+    monkeypatch.setattr(engine_of(runner), "encode", slow_encode)
+    for _ in range(30):
+        runner.commands.put(submit())
+    steps = store_of(runner).steps
+    while not runner.commands.empty():
+        started = time.monotonic()
+        runner._serve_once()
+        # The budget, and the command under way when it ran out.
+        assert time.monotonic() - started < runner_module.COMMANDS_BUDGET_S + 0.03 + 0.05
+        tokens, endings = steps[-1]
+        assert [job_id for job_id, _ in tokens] == [decoding.job.id]  # the batch stepped
+        assert 1 <= len(endings) < 30
+    runner._flush()
+    refused = [job for _, endings in steps for job in endings]
+    assert len(refused) == 30 and all(job.status == JobStatus.FAILED for job in refused)
+    assert refused[0].error == (
+        "the prompt is 101 tokens after the chat template; at most 100 (EXO_MAX_PROMPT_TOKENS)"
+    )
+
+
+def test_a_refusal_is_progress_for_the_stall_watchdog(runner: Runner) -> None:
+    runner._admit(submit())
+    runner.progress.array[0] = 0.0  # silent since the clock's start: stalled by any limit
+    assert runner.progress.stall(60.0, 5.0) is not None
+    runner._handle(intake.Refused(submit(), "prompt: is at least 9000 tokens"))
+    assert runner.progress.stall(60.0, 5.0) is None
+    assert runner.outbox.endings[-1].error == "prompt: is at least 9000 tokens"
 
 
 def test_a_lone_job_is_not_held_back(runner: Runner) -> None:

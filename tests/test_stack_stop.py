@@ -69,8 +69,10 @@ class LocalStack:
     def redis_port(self) -> int:
         return int(self.env["EXO_REDIS_PORT"])
 
-    def start(self, argv: list[str], ready: str = "/readyz") -> subprocess.Popen[bytes]:
-        self.process = self.processes.start(argv, self.env, self.log_path)
+    def start(
+        self, argv: list[str], ready: str = "/readyz", cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        self.process = self.processes.start(argv, self.env, self.log_path, cwd)
         wait_http(self.api + ready, self.process, self.log_path, timeout_s=90)
         return self.process
 
@@ -291,10 +293,14 @@ def test_closing_the_terminal_stops_everything(local_stack: LocalStack) -> None:
 def test_honcho_start_on_the_procfile_works_and_ctrl_c_requeues(
     local_stack: LocalStack,
 ) -> None:
-    # The Procfile's `exo-tasks` must be this install's.
-    local_stack.env["PATH"] = f"{Path(sys.executable).parent}:{local_stack.env['PATH']}"
-    honcho = [sys.executable, "-m", "honcho", "-f", str(PROCFILE), "-d", str(PROCFILE.parent)]
-    local_stack.start([*honcho, "start"])  # /readyz: the runner is Ready on a fresh data dir
+    # As the README runs it: `.venv/bin/honcho start` from the project's root, the venv not
+    # activated (its bin not on PATH).
+    venv_bin = Path(sys.executable).parent
+    path = local_stack.env["PATH"].split(os.pathsep)
+    local_stack.env["PATH"] = os.pathsep.join(p for p in path if Path(p) != venv_bin)
+    honcho = [str(venv_bin / "honcho"), "start"]
+    # /readyz: the runner is Ready on a fresh data dir.
+    local_stack.start(honcho, cwd=PROCFILE.parent)
     ids = local_stack.submit_long_jobs()
     # honcho itself SIGKILLs what is left 5 s after Ctrl-C: nothing may need that.
     elapsed = stop_and_time(local_stack, [signal.SIGINT], bound_s=6)

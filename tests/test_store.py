@@ -1,5 +1,6 @@
 """The store's one-round-trip scripts on a real redis-server: the job's creation against its
-queue's cap, the hand-over to a runner, and the endings stream a task waits on."""
+queue's cap and its client's quota, with its priority step, the hand-over to a runner, and the
+endings stream a task waits on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
-from exo_tasks import broker, lifecycle
+from exo_tasks import broker, fairness, lifecycle
 from exo_tasks.commands import SubmitJob
 from exo_tasks.metrics import Observations
 from exo_tasks.store import Store
@@ -39,10 +40,38 @@ def test_a_job_is_created_only_while_its_queue_has_room(store: Store) -> None:
     store.redis.lpush(f"{queue}\x06\x165", "b")  # kombu's list for priority 5
 
     first, second = new_job(), new_job()
-    assert store.create_job(first, queue, max_queued=3) == 2
+    assert store.create_job(first, queue, max_queued=3).depth == 2
     assert store.get_job(first.id) == first
-    assert store.create_job(second, queue, max_queued=2) == 2
+    refused = store.create_job(second, queue, max_queued=2)
+    assert refused.depth == 2 and refused.step is None
     assert store.get_job(second.id) is None
+
+
+def new_job_of(priority: str) -> JobRecord:
+    request = JobRequest.model_validate({"prompt": "hi", "max_tokens": 4, "priority": priority})
+    return JobRecord(id=uuid.uuid4().hex, model="m", request=request)
+
+
+def test_a_clients_jobs_wait_at_later_steps_of_their_class_up_to_its_quota(store: Store) -> None:
+    queue = f"exo.model.fair-{uuid.uuid4().hex[:6]}"
+    a, b = (fairness.client_of(f"{name}-{uuid.uuid4().hex[:6]}", None, None).key for name in "ab")
+    a_jobs = [new_job_of("normal") for _ in range(5)]
+    steps = [store.create_job(job, queue, 1_000, a, quota=5).step for job in a_jobs]
+    # Its first job at the class's first step, then one step later at 1, 2 and 4 waiting.
+    assert steps == [3, 4, 5, 5, 6]
+    assert [store.queue_priority(job.id) for job in a_jobs] == steps
+
+    # At its quota (all classes count): refused, while another client's first job goes first.
+    over = store.create_job(new_job_of("high"), queue, 1_000, a, quota=5)
+    assert over.step is None and over.client_waiting == 5
+    assert store.create_job(new_job_of("normal"), queue, 1_000, b, quota=5).step == 3
+    assert store.create_job(new_job_of("low"), queue, 1_000, b, quota=5).step == 7
+
+    # A job that leaves the queue (a runner took it, or it was cancelled) leaves the count.
+    assert store.hand_over("m@fair", running(a_jobs[0], "m@fair"))
+    assert store.apply(lifecycle.cancel_queued(a_jobs[1]))
+    assert store.client_waiting(a) == 3
+    assert store.create_job(new_job_of("normal"), queue, 1_000, a, quota=5).step == 5
 
 
 def test_hand_over_marks_a_queued_job_running_and_fills_the_inbox(store: Store) -> None:

@@ -1,4 +1,5 @@
-"""Bearer-token auth: with EXO_API_TOKEN set, every route but the health checks needs it."""
+"""Bearer-token auth: with EXO_API_TOKEN set, every route but the health checks needs it. And
+who a request's client is, for its quota and its place in the queue (exo_tasks.fairness)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hmac
 
 from flask import Flask, request
 
+from exo_tasks import fairness
 from exo_tasks.api.context import ctx
 from exo_tasks.errors import Unauthorized
 
@@ -24,6 +26,14 @@ def require_token() -> None:
         credentials.lstrip(" ").encode(), token.get_secret_value().encode()
     ):
         raise Unauthorized("a valid 'Authorization: Bearer <token>' header is required")
+
+
+def client(user: str | None) -> fairness.Client:
+    """The client this request comes from: the job's `user`, else the API token (a request
+    gets here only with the right one), else the peer's address."""
+    token = ctx().settings.api_token
+    secret = token.get_secret_value() if token is not None else None
+    return fairness.client_of(user, secret, request.remote_addr)
 
 
 def init_app(app: Flask) -> None:

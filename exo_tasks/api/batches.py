@@ -22,6 +22,7 @@ MAX_PAGE = 100
 @bp.post("/batches")
 def create_batch() -> Response:
     body = BatchCreate.model_validate(json_body())
+    ctx().refuse_if_storage_low()
     store = ctx().store
     input_file = store.get_file(body.input_file_id)
     if input_file is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +12,11 @@ from flask import current_app
 from config.settings import Settings
 from exo_tasks import jobs
 from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals
+from exo_tasks.api.prompt_door import PromptDoor
 from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.errors import StorageFull
+from exo_tasks.fairness import Client
 from exo_tasks.fleet import SharedReads
 from exo_tasks.store import Store, connect
 from exo_tasks.types import JobRecord, JobRequest
@@ -44,8 +48,23 @@ class ApiContext:
         self.hub = EventHub(lambda: connect(url), settings.stream_buffer_events)
         self.streams = StreamCap(settings.max_streams)
         self.arrivals = Arrivals()
+        self.prompt_door = PromptDoor(settings)
         self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
+
+    def refuse_if_storage_low(self) -> None:
+        """503 (storage_full) for a client's new job, file or batch once Redis holds its
+        maxmemory less the fleet's reserve: the fleet's own writes (heartbeats, running jobs'
+        tokens, endings, cancels) keep that room, while Redis refuses every write past
+        maxmemory, whoever writes. A quarter of maxmemory at most is reserved."""
+        used, limit = self.reads.memory()
+        reserve = min(self.settings.redis_reserve_mb << 20, limit // 4)
+        if limit and used >= limit - reserve:
+            raise StorageFull(
+                f"the job store (Redis) holds {used >> 20} MiB of its {limit >> 20} MiB, the "
+                f"rest kept for running jobs and the fleet (EXO_REDIS_RESERVE_MB); retry once "
+                "older jobs expire (EXO_JOB_TTL_S) or raise EXO_REDIS_MAXMEMORY_MB"
+            )
 
     def submit(
         self,
@@ -53,6 +72,7 @@ class ApiContext:
         job_id: str | None = None,
         where: jobs.Route | None = None,
         *,
+        client: Client,
         after_arrivals: bool = False,
     ) -> JobRecord:
         """jobs.submit, routed by the shared reads, on one of SENDERS long-lived threads
@@ -63,19 +83,21 @@ class ApiContext:
         `after_arrivals` (a stream's job, after its first byte): sent once the host's arrivals
         are in (arrivals.py). Such jobs pass the door SENDERS at a time, each looking again
         just before it is sent, so a burst that resumes holds back the ones not yet sent; and
-        they never hold a sender while they wait, so other submissions do not."""
+        they never hold a sender while they wait, so other submissions do not. `client`: who
+        sent it (auth.client), for its quota and its place in the queue."""
         where = where or jobs.route(self.reads.fleet(), self.settings, job_request, self.store)
         if not after_arrivals:
-            return self._send(job_request, job_id, where)
+            return self._send(job_request, job_id, where, client)
         deadline = time.monotonic() + MAX_WAIT_S
         with self._past_the_door:
             self.arrivals.wait_until_quiet(deadline - time.monotonic())
-            return self._send(job_request, job_id, where)
+            return self._send(job_request, job_id, where, client)
 
-    def _send(self, job_request: JobRequest, job_id: str | None, where: jobs.Route) -> JobRecord:
-        return self._senders.submit(
-            jobs.submit, self.store, self.celery, self.settings, job_request, job_id, where
-        ).result()
+    def _send(
+        self, job_request: JobRequest, job_id: str | None, where: jobs.Route, client: Client
+    ) -> JobRecord:
+        send = functools.partial(jobs.submit, self.store, self.celery, self.settings, client=client)
+        return self._senders.submit(send, job_request, job_id, where).result()
 
 
 def ctx() -> ApiContext:

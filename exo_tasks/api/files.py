@@ -28,6 +28,7 @@ class FileTooLarge(ExoError):
 
 @bp.post("/files")
 def upload() -> Response:
+    ctx().refuse_if_storage_low()
     settings = ctx().settings
     limit = settings.batch_max_file_bytes
     too_large = FileTooLarge(

@@ -27,6 +27,7 @@ import resource
 import select
 import socket
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import gevent
 from gevent import socket as gsocket
 from gevent.local import local
-from gevent.monkey import get_original
+from gevent.monkey import MonkeyPatchWarning, get_original
 from gevent.server import StreamServer
 from gunicorn import http, util
 from gunicorn.http.errors import NoMoreData
@@ -51,6 +52,19 @@ SPARE_FDS = 256
 LINGER_S = 1.0
 STOP_GRACE_S = 0.1
 RECV_BYTES = 64 << 10
+# gunicorn patches each worker once it has forked, and the master has imported redis by then:
+# gevent warns that redis.asyncio keeps ssl's unpatched SSLContext. The API never uses
+# redis.asyncio (nor TLS through it), so that one warning is noise; any other module named
+# in it still warns.
+warnings.filterwarnings(
+    "ignore",
+    message=(
+        r"Monkey-patching ssl after ssl has already been imported .*"
+        r"Modules that had direct imports \(NOT patched\): "
+        r"\['redis\.asyncio\.connection \([^)]*\)'\]\. $"
+    ),
+    category=MonkeyPatchWarning,
+)
 # The OS's poll, not gevent's: asking whether bytes are waiting never switches to the hub.
 _os_poll = get_original("select", "poll")
 

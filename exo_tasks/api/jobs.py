@@ -10,19 +10,19 @@ from urllib.parse import urlencode
 from flask import Blueprint, Response, jsonify, request
 
 from exo_tasks import jobs, progress
-from exo_tasks.api import streams
+from exo_tasks.api import auth, streams
 from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
-from exo_tasks.types import MAX_LIST_LIMIT, DoneEvent, JobRecord, JobStatus, utcnow
+from exo_tasks.types import MAX_LIST_LIMIT, DoneEvent, JobEnding, JobRecord, JobStatus, utcnow
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 # A Redis stream id: milliseconds, then optionally a sequence number, each an unsigned 64-bit.
 STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
 
 
-def public(job: JobRecord) -> dict[str, Any]:
+def public(job: JobEnding) -> dict[str, Any]:
     return job.model_dump(mode="json")
 
 
@@ -34,7 +34,9 @@ def summary(job: JobRecord) -> dict[str, Any]:
 def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
-    job = context.submit(job_request)
+    context.prompt_door.check(job_request)
+    context.refuse_if_storage_low()
+    job = context.submit(job_request, client=auth.client(job_request.user))
     return jsonify(summary(job)), 202
 
 
@@ -106,7 +108,7 @@ def stream_job(job_id: str) -> Response:
                     continue
                 event_id, event = item
                 data = (
-                    public(event.job)
+                    public(context.store.final_job(event))
                     if isinstance(event, DoneEvent)
                     else event.model_dump(exclude={"event"})
                 )

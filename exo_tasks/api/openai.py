@@ -18,10 +18,11 @@ from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel
 
 from exo_tasks import jobs, limits
-from exo_tasks.api import errors, streams
+from exo_tasks.api import auth, errors, streams
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
 from exo_tasks.errors import ExoError, NotFound, Unavailable, openai_error_body
+from exo_tasks.fairness import Client
 from exo_tasks.fleet import is_down
 from exo_tasks.naming import find_model, runner_id_for
 from exo_tasks.openai_render import ChatRenderer, Renderer, Sent, TextRenderer, failure
@@ -35,6 +36,7 @@ from exo_tasks.openai_types import (
 )
 from exo_tasks.types import (
     DoneEvent,
+    JobEnding,
     JobRecord,
     JobRequest,
     JobStatus,
@@ -66,9 +68,11 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
             json_body(), context={"max_tokens_cap": context.settings.max_tokens}
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
+        context.prompt_door.check(job_request)
+        context.refuse_if_storage_low()
         if body.stream:
             return _open_stream(context, renderer, job_request, body.include_usage)
-    job = context.submit(job_request)
+    job = context.submit(job_request, client=auth.client(job_request.user))
     response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
     response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
     return response
@@ -78,29 +82,33 @@ def _open_stream(
     context: ApiContext, renderer: Renderer, job_request: JobRequest, include_usage: bool
 ) -> Response:
     """A streamed answer whose job is submitted after its first byte (see _stream). Errors keep
-    their statuses before the first byte, a full queue's 429 too (the job's creation counts
-    again: this is a read)."""
+    their statuses before the first byte, a full queue's or a client's full quota's 429 too
+    (the job's creation counts again: these are reads)."""
     where = jobs.route(context.reads.fleet(), context.settings, job_request, context.store)
     depth = context.reads.queue_depth(where.queue)
     jobs.refuse_if_full(where.queue, depth, context.settings)
+    client = auth.client(job_request.user)
+    jobs.refuse_over_quota(client, context.store.client_waiting(client.key), context.settings)
     release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
-    plan = _Stream(context, renderer, streams.close_connection(request.environ), include_usage)
+    overflow = streams.close_connection(request.environ)
+    plan = _Stream(context, renderer, overflow, include_usage, client)
     job_id = jobs.new_job_id()
     response = sse_response(_stream(plan, job_request, job_id, where), on_close=release)
     response.headers["X-Exo-Job-Id"] = job_id
     return response
 
 
-def _wait(context: ApiContext, job: JobRecord) -> JobRecord:
+def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
     """The job once it has ended; a failed job is an error. Bounded by the job's time limits:
     past them (it sat in the queue) the job is cancelled and the request gets 503."""
     settings = context.settings
     limit_s = limits.job_limits(job.request.timeout_s, settings).hard_s + WAIT_SLACK_S
     deadline = time.monotonic() + limit_s
-    final: JobRecord | None = None
+    final: JobEnding | None = None
     for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
-            final = item[1].job
+            # Its ending carries no logprobs: its record has them.
+            final = context.store.final_job(item[1]) if job.request.logprobs else item[1].job
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
                 jobs.cancel(context.store, job.id)
@@ -127,6 +135,7 @@ class _Stream:
     renderer: Renderer
     overflow: Callable[[], None]  # ends the connection at once (the client fell behind)
     include_usage: bool
+    client: Client
 
 
 def _stream(
@@ -139,7 +148,9 @@ def _stream(
     OpenAI's shape."""
     yield KEEPALIVE
     try:
-        job = plan.context.submit(job_request, job_id, where, after_arrivals=True)
+        job = plan.context.submit(
+            job_request, job_id, where, client=plan.client, after_arrivals=True
+        )
     except Exception as exc:  # noqa: BLE001 (the error funnel decides, and logs the unexpected)
         yield _data(json.loads(errors.handle(exc).get_data()))
         yield DONE
@@ -193,7 +204,7 @@ def _chunks(plan: _Stream, job: JobRecord) -> Generator[str, None, bool]:
 
 
 def _ending(
-    renderer: Renderer, job: JobRecord, final: JobRecord, include_usage: bool
+    renderer: Renderer, job: JobRecord, final: JobEnding, include_usage: bool
 ) -> Iterator[str]:
     if final.status == JobStatus.FAILED:
         gone = failure(final)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from exo_tasks import jobs, json_input, metrics
+from exo_tasks import fairness, jobs, json_input, metrics
 from exo_tasks.batch import input as batch_input
 from exo_tasks.batch.jobs import cancel_inflight, line_job_id
 from exo_tasks.batch.results import ENDPOINTS, LineResults, succeeded
@@ -294,7 +294,8 @@ class BatchFeeder:
             raise InvalidRequest("a batch's requests cannot stream", {"field": "stream"})
         fields = {**body.job_fields(), "priority": "low"}
         job_request = jobs.parse_request(self.settings, fields)
-        jobs.submit(self.store, self.app, self.settings, job_request, job_id=job_id)
+        client = fairness.batch_client(batch.id)
+        jobs.submit(self.store, self.app, self.settings, job_request, job_id, client=client)
 
     # --- ending ---
 

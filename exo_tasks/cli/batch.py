@@ -14,7 +14,7 @@ from typing import Any
 from config.settings import Settings
 from exo_tasks.batch.types import BATCH_ENDED
 from exo_tasks.cli.client import ApiClient
-from exo_tasks.cli.table import table
+from exo_tasks.cli.table import listing, timestamp
 from exo_tasks.errors import ExoError
 
 POLL_S = 1.0
@@ -120,11 +120,11 @@ def cmd_list(client: BatchClient, args: argparse.Namespace) -> None:
             b["endpoint"],
             f"{b['request_counts']['completed']}/{b['request_counts']['total']}",
             b["request_counts"]["failed"],
-            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(b["created_at"])),
+            timestamp(b["created_at"]),
         ]
         for b in listed
     ]
-    print(table(["ID", "STATUS", "ENDPOINT", "DONE", "FAILED", "CREATED"], rows))
+    print(listing(["ID", "STATUS", "ENDPOINT", "DONE", "FAILED", "CREATED"], rows, "no batches"))
 
 
 def cmd_status(client: BatchClient, args: argparse.Namespace) -> None:

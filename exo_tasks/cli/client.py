@@ -60,7 +60,10 @@ class ApiClient:
         try:
             response = self.session.request(method, self.base_url + path, **kwargs)
         except requests.ConnectionError as exc:
-            raise ExoError(f"cannot reach the API at {self.base_url}: {exc}") from exc
+            # One line naming the URL: urllib3's text (a pool, its retries) says nothing more.
+            raise ExoError(f"cannot reach the API at {self.base_url}") from exc
+        except requests.Timeout as exc:
+            raise ExoError(f"no answer from the API at {self.base_url} in time") from exc
         if response.status_code >= 400:
             raise ExoError(f"{response.status_code} {_error_message(response)}")
         return response

@@ -73,13 +73,15 @@ def bounded(convert: Callable[[str], Any], bounds: Sequence[Bound]) -> Callable[
     return parse
 
 
-def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
+def add_submit_arguments(submit: argparse.ArgumentParser, max_tokens_cap: int) -> None:
+    """The submit arguments; --max-tokens up to `max_tokens_cap`, the cap the API enforces
+    (EXO_MAX_TOKENS: its 422 beyond it, refused here first)."""
     submit.add_argument("prompt", help="the prompt (the user message, with --system)")
     submit.add_argument(
         "--max-tokens",
-        type=bounded(int, field_bounds("max_tokens")),
+        type=bounded(int, [*field_bounds("max_tokens"), Le(max_tokens_cap)]),
         default=default("max_tokens"),
-        help="tokens to generate at most; the server caps it at EXO_MAX_TOKENS "
+        help=f"tokens to generate, 1 to {max_tokens_cap} (EXO_MAX_TOKENS, the API's cap) "
         "(default: %(default)s)",
     )
     submit.add_argument(
@@ -207,7 +209,7 @@ def _stream(client: ApiClient, job_id: str, max_tokens: int, quiet: bool) -> Non
     tokens = 0
     for event, data in client.events(job_id):
         if event == "token":
-            tokens += 1
+            tokens = max(data.get("tokens", 0), tokens + 1)  # tokens, not events
             if quiet:
                 _progress_bar(tokens, max_tokens)
             else:
@@ -217,6 +219,8 @@ def _stream(client: ApiClient, job_id: str, max_tokens: int, quiet: bool) -> Non
         elif event in ("done", "error"):
             if quiet:
                 if tokens:
+                    # The job's own count: its last tokens may have had no text (a stop string).
+                    _progress_bar(data["usage"]["completion_tokens"], max_tokens)
                     print(file=sys.stderr, flush=True)  # end the bar's line before the text
                 print(data["output"]["text"], end="", flush=True)
             reason = data["output"]["finish_reason"] or data["error"]

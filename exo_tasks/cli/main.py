@@ -18,7 +18,7 @@ from exo_tasks.cli import batch as cli_batch
 from exo_tasks.cli import instances as cli_instances
 from exo_tasks.cli import jobs as cli_jobs
 from exo_tasks.cli.client import ApiClient
-from exo_tasks.cli.table import table
+from exo_tasks.cli.table import listing, timestamp
 from exo_tasks.errors import ExoError
 from exo_tasks.logs import configure_logging
 from exo_tasks.types import MAX_LIST_LIMIT, JobStatus
@@ -117,14 +117,16 @@ def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
 LISTINGS: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[Any]]]] = {
     "jobs": (
         "/v1/jobs",
-        ["ID", "STATUS", "MODEL", "HOST", "TOKENS", "CREATED"],
+        ["ID", "STATUS", "MODEL", "HOST", "TOKENS", "FINISH", "CREATED", "ERROR"],
         lambda j: [
             j["id"],
             j["status"],
             j["model"],
             j["host"],
-            j["usage"]["completion_tokens"],
-            j["created_at"][:19],
+            f"{j['usage']['completion_tokens']}/{j['request']['max_tokens']}",
+            j["output"]["finish_reason"],
+            timestamp(j["created_at"]),
+            _one_line(j["error"]),
         ],
     ),
     "runners": (
@@ -144,13 +146,25 @@ LISTINGS: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[Any]]]
         ],
     ),
 }
+# A job's error in the last column, cut to this: `GET /v1/jobs/<id>` has it whole.
+ERROR_CHARS = 60
+
+
+def _one_line(text: str | None) -> str | None:
+    if text is None:
+        return None
+    line = " ".join(text.split())
+    return line if len(line) <= ERROR_CHARS else line[: ERROR_CHARS - 1] + "…"
 
 
 def cmd_list(settings: Settings, args: argparse.Namespace) -> None:
     path, headers, row = LISTINGS[args.command]
     params = {"status": args.status, "limit": args.limit} if args.command == "jobs" else {}
     items = _client(settings).call("GET", path, **{k: v for k, v in params.items() if v})
-    print(table(headers, [row(item) for item in items]))
+    nothing = f"no {args.command}"
+    if params.get("status"):
+        nothing += f" with status {args.status}"
+    print(listing(headers, [row(item) for item in items], nothing))
 
 
 def cmd_cancel(settings: Settings, args: argparse.Namespace) -> None:
@@ -168,7 +182,7 @@ def cmd_shutdown(settings: Settings, args: argparse.Namespace) -> None:
     print(json.dumps(reply))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exo-tasks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run the whole stack (redis, api, worker, flower)").set_defaults(
@@ -195,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("dir")
     create.set_defaults(func=cmd_model_create)
     submit = sub.add_parser("submit", help="submit a job and stream its tokens (Ctrl-C cancels it)")
-    cli_jobs.add_submit_arguments(submit)
+    cli_jobs.add_submit_arguments(submit, settings.max_tokens)
     submit.set_defaults(func=cmd_submit)
     jobs = sub.add_parser("jobs", help="recent jobs, as a table")
     jobs.add_argument(
@@ -232,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
     settings = Settings()
+    args = build_parser(settings).parse_args(argv)
     configure_logging(settings.log_level, host=settings.hostname, process=args.command)
     try:
         args.func(settings, args)

@@ -20,6 +20,11 @@ Ending = tuple[JobStatus, FinishReason | None, str | None]
 Expiry = tuple[JobStatus, FinishReason, str | None]  # past a time limit
 HARD_LIMIT: Expiry = (JobStatus.FAILED, "time_limit", "hard time limit exceeded")
 SOFT_LIMIT: Expiry = (JobStatus.TIMED_OUT, "time_limit", None)
+# What a token event costs in Redis beyond its text and log probabilities (the stream entry,
+# its id, the JSON around them), and each log probability beyond its token (the number and
+# the JSON around it): measured on stored jobs (75 and 20 bytes), rounded up.
+EVENT_BYTES = 80
+LOGPROB_BYTES = 24
 
 
 @dataclass
@@ -27,11 +32,18 @@ class ActiveJob:
     record: JobRecord
     soft_deadline: float  # time.time()
     deadline: float
+    max_bytes: int  # EXO_MAX_JOB_BYTES
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     last_token_at: datetime | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    stored_bytes: int = 0  # what the job keeps in Redis, so far
+
+    def __post_init__(self) -> None:
+        request = self.record.request
+        texts = [request.prompt or "", *(m.content for m in request.messages or [])]
+        self.stored_bytes = sum(len(text.encode()) for text in texts)
 
     @property
     def awaiting_first_token(self) -> bool:
@@ -61,8 +73,20 @@ class ActiveJob:
         self.tool_calls += delta.tool_calls
         if not (delta.text or delta.logprobs or delta.tool_calls):
             return None
+        self.stored_bytes += 2 * _stored_bytes(delta)  # in its event stream and its record
         self.text.append(delta.text)
         return delta.event(len(self.text) - 1)
+
+    def over_storage(self) -> Ending | None:
+        """How the job ends if it keeps more than EXO_MAX_JOB_BYTES in Redis, else None."""
+        if self.stored_bytes <= self.max_bytes:
+            return None
+        error = (
+            f"the job's prompt and output take more than {self.max_bytes} bytes of storage "
+            f"(EXO_MAX_JOB_BYTES) after {self.completion_tokens} tokens; ask for fewer "
+            "max_tokens or top_logprobs"
+        )
+        return (JobStatus.FAILED, None, error)
 
     def _cache_lookup(self, cached_tokens: int, outbox: Outbox) -> None:
         """The job's prompt looked up in the prompt cache: in its usage and the counters."""
@@ -104,3 +128,12 @@ def take_step(
         if delta.finish_reason is not None:
             endings.append((delta.job_id, (JobStatus.SUCCEEDED, delta.finish_reason, None)))
     return endings
+
+
+def _stored_bytes(delta: TokenDelta) -> int:
+    """About what a step's event keeps in Redis (exo_tasks.wire's stored form)."""
+    entries = [(lp.token, *(t.token for t in lp.top_logprobs)) for lp in delta.logprobs]
+    tokens = [token for entry in entries for token in entry]
+    calls = sum(len(call.model_dump_json()) for call in delta.tool_calls)
+    text = len(delta.text.encode()) + sum(len(token.encode()) for token in tokens)
+    return EVENT_BYTES + text + LOGPROB_BYTES * len(tokens) + calls

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
+from tokenizers import Tokenizer
 
 from exo_tasks.runner import sampling
 from exo_tasks.runner.lane import Advance, EngineFinish, Lane, LaneJob, TokenDelta
@@ -143,6 +144,14 @@ class BatchEngine:
     def largest_batch(self) -> int:
         """The most jobs ever decoding together in one generation step."""
         return self._largest_batch
+
+    @property
+    def prompt_tokenizer(self) -> Tokenizer | None:
+        """The model's `tokenizers` tokenizer, if it has one: what the runner's intake counts a
+        prompt with (exo_tasks.prompt_tokens), from its own thread. Only read, never changed:
+        safe beside the loop's use of the tokenizer."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        return backend if isinstance(backend, Tokenizer) else None
 
     @property
     def tool_calling(self) -> bool:

@@ -60,6 +60,7 @@ class TokenDelta:
         return TokenEvent(
             index=index,
             text=self.text,
+            tokens=self.completion_tokens,
             logprobs=self.logprobs or None,
             tool_calls=self.tool_calls or None,
         )

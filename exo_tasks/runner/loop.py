@@ -18,8 +18,9 @@ from collections.abc import Callable
 import redis
 
 from exo_tasks import lifecycle, metrics
-from exo_tasks.commands import CancelJob, RunnerCommand, StopRunner, SubmitJob
+from exo_tasks.commands import CancelJob, StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
+from exo_tasks.runner import intake
 from exo_tasks.runner.active_job import ActiveJob, take_step
 from exo_tasks.runner.keep_alive import KeepAlive
 from exo_tasks.runner.outbox import Occupancy, Outbox
@@ -31,7 +32,6 @@ from exo_tasks.runner.process import (
     RunnerProgress,
     RunnerSpec,
     load_engine,
-    read_inbox,
 )
 from exo_tasks.store import Store, UnreadableCommand, redis_waits
 from exo_tasks.types import FinishReason, JobStatus, utcnow
@@ -49,6 +49,10 @@ IDLE_WAIT_S = 0.5
 GATHER_GAP_S = 0.05
 GATHER_STEP_SHARE = 0.25
 GATHER_MAX_S = 0.25
+# The most time one round spends on commands (and the one under way) before the batch steps.
+# 100,000 characters take 70-120 ms to tokenize here (2-core CPU): 150 such prompts refused in
+# a row held the batch back for 5 s, and the stall watchdog killed the runner.
+COMMANDS_BUDGET_S = 0.05
 
 
 class Runner:
@@ -66,7 +70,7 @@ class Runner:
         self.engine_factory = engine_factory
         self.engine: Engine | None = None
         self.outbox = Outbox(self.store, spec.first_state(), self._occupancy)
-        self.commands: queue.Queue[RunnerCommand | UnreadableCommand] = queue.Queue()
+        self.commands: queue.Queue[intake.Command] = queue.Queue()
         self.active: dict[str, ActiveJob] = {}
         self.stop_request: StopRunner | None = None
         self.stop_deadline = 0.0
@@ -106,7 +110,8 @@ class Runner:
             log.exception("model failed to load")
             publish(RunnerStatus.FAILED, error=f"model failed to load: {exc}")
             return 1
-        read_inbox(self.store, self.spec.runner_id, self.commands)
+        screen = intake.Screen(self.loaded.prompt_tokenizer, self.spec.max_prompt_tokens)
+        intake.read_inbox(self.store, self.spec.runner_id, self.commands, screen)
         self.serving = True
         publish(RunnerStatus.READY)
         self.keep_alive.idle_from(time.monotonic())
@@ -220,12 +225,14 @@ class Runner:
                 return
 
     def _take_commands(self, wait_s: float) -> bool:
-        """Handle every command in the inbox, waiting up to `wait_s` for the first one."""
+        """Handle the commands in the inbox, waiting up to `wait_s` for the first one, until
+        COMMANDS_BUDGET_S has passed: the rest wait for the next round, after a step."""
         get = self.commands.get
         try:
             command = get(timeout=wait_s) if wait_s > 0 else get(block=False)
         except queue.Empty:
             return False
+        budget_end = time.monotonic() + COMMANDS_BUDGET_S
         while True:
             try:
                 self._handle(command)
@@ -233,14 +240,18 @@ class Runner:
                 if redis_waits(exc):
                     self.commands.put(command)  # handled again once Redis is back
                 raise
+            if time.monotonic() >= budget_end:
+                return True
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return True
 
-    def _handle(self, command: RunnerCommand | UnreadableCommand) -> None:
+    def _handle(self, command: intake.Command) -> None:
         if isinstance(command, SubmitJob):
             self._admit(command)
+        elif isinstance(command, intake.Refused):
+            self._refuse(command.command, command.error)
         elif isinstance(command, CancelJob):
             self._end(command.job_id, lifecycle.cancel_status(command.reason), command.reason)
         elif isinstance(command, UnreadableCommand):
@@ -257,13 +268,16 @@ class Runner:
         error = f"the runner could not read the job's command: {command.error}"
         if command.job_id in self.active:
             self._end(command.job_id, JobStatus.FAILED, None, error)
-        else:
-            self._refuse(command.job_id, error)
+        else:  # never joined the batch, and we do not have its record
+            self.store.release_job(self.spec.runner_id, command.job_id)
+            self.store.fail_job(command.job_id, error)
+            self._record_progress(progressed=True)
 
-    def _refuse(self, job_id: str, error: str) -> None:
-        """Fail a job that never joined the batch."""
-        self.store.release_job(self.spec.runner_id, job_id)
-        self.store.fail_job(job_id, error)
+    def _refuse(self, command: SubmitJob, error: str) -> None:
+        """Fail a job that cannot join the batch: written with the next step's writes, and work
+        done for the stall watchdog."""
+        self.outbox.endings.append(intake.refusal(command.job, error))
+        self._record_progress(progressed=True)
 
     def _admit(self, command: SubmitJob) -> None:
         # Its task marked the job running as it handed it over: nothing to write to start it.
@@ -273,37 +287,25 @@ class Runner:
             self.store.requeue_job(job.id)
             return
         try:
-            request = job.request
-            prompt_tokens = self.loaded.encode(request.prompt, request.messages, request.tools)
-        except Exception as exc:  # noqa: BLE001 (any tokenizer or template error is the job's)
-            self._refuse(job.id, f"could not encode the prompt: {exc}")
-            return
-        cap = self.spec.max_prompt_tokens
-        if len(prompt_tokens) > cap:
-            self._refuse(
-                job.id,
-                f"the prompt is {len(prompt_tokens)} tokens after the chat template; "
-                f"at most {cap} (EXO_MAX_PROMPT_TOKENS)",
-            )
-            return
-        # Counted here; the stored record shows it once the job ends.
-        usage = job.usage.model_copy(update={"prompt_tokens": len(prompt_tokens)})
-        started = job.model_copy(update={"usage": usage})
-        try:
-            self.loaded.add(job.id, prompt_tokens, job.request)
-        except ValueError as exc:  # the engine's own checks
-            self._refuse(job.id, str(exc))
+            prompt = intake.prompt_tokens_of(self.loaded, job.request, self.spec.max_prompt_tokens)
+            self.loaded.add(job.id, prompt, job.request)
+        except ValueError as exc:  # the prompt's refusal, or the engine's own checks
+            self._refuse(command, str(exc))
             return
         except Exception as exc:
             # Whatever else one job's input can raise (such as MLX refusing its seed) is that
             # job's failure, never the batching loop's.
             log.exception("job could not be admitted", extra={"job_id": job.id})
-            self._refuse(job.id, f"could not start the job: {type(exc).__name__}: {exc}")
+            self._refuse(command, f"could not start the job: {type(exc).__name__}: {exc}")
             return
-        self.active[job.id] = ActiveJob(started, command.soft_deadline, command.deadline)
+        # Counted here; the stored record shows it once the job ends.
+        usage = job.usage.model_copy(update={"prompt_tokens": len(prompt)})
+        started = job.model_copy(update={"usage": usage})
+        limits = (command.soft_deadline, command.deadline, self.spec.max_job_bytes)
+        self.active[job.id] = ActiveJob(started, *limits)
         self.outbox.observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
         self._record_progress(progressed=True)
-        log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt_tokens)})
+        log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt)})
         self.outbox.jobs_changed()
 
     def _step(self) -> None:
@@ -363,14 +365,14 @@ class Runner:
         self._after_job_left()
 
     def _drop_expired(self) -> None:
-        """End the jobs past their time limits by our own clock. The task's hard limit kills its
-        pool child before it can tell us, and the signal that brings the soft limit to the task
-        can be lost (seen: a limit logged by the worker, never raised in the child)."""
+        """End the jobs past their time limits by our own clock (the task's hard limit kills
+        its pool child before it can tell us; the soft limit's signal can be lost), or past
+        their storage bound."""
         now = time.time()
         for job_id, job in list(self.active.items()):
-            expiry = job.expiry(now)
-            if expiry is not None:
-                self._end(job_id, *expiry)
+            ending = job.expiry(now) or job.over_storage()
+            if ending is not None:
+                self._end(job_id, *ending)
 
     # --- stopping ---
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -20,16 +18,16 @@ from exo_tasks import lifecycle
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.instances import InstanceRecord
 from exo_tasks.naming import instance_runner_id, is_local_path, model_slug, runner_id_for
-from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
+    from tokenizers import Tokenizer
+
     from exo_tasks.runner.lane import TokenDelta
     from exo_tasks.types import ChatMessage, SamplingParams
     from exo_tasks.wire import Tool
 
 log = logging.getLogger("exo_tasks.runner")
-INBOX_POLL_S = 1.0
 # Exit code of a runner that cannot work as configured: the supervisor does not restart it.
 EXIT_CONFIG = 78  # EX_CONFIG
 # Exit code of a runner that unloaded its idle model: started again on demand, not restarted.
@@ -67,6 +65,7 @@ class RunnerSpec(BaseModel):
     redis_url: str
     job_ttl_s: int
     max_prompt_tokens: int
+    max_job_bytes: int = 8 << 20  # EXO_MAX_JOB_BYTES
     restarts: int = 0
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
@@ -89,6 +88,7 @@ class RunnerSpec(BaseModel):
             redis_url=settings.effective_redis_url,
             job_ttl_s=settings.job_ttl_s,
             max_prompt_tokens=settings.max_prompt_tokens,
+            max_job_bytes=settings.max_job_bytes,
             completion_batch_size=settings.completion_batch_size,
             prefill_batch_size=settings.prefill_batch_size,
             prefill_step_size=settings.prefill_step_size,
@@ -179,6 +179,8 @@ class Engine(Protocol):
     def prompt_cache_bytes(self) -> int: ...
     @property
     def weights_bytes(self) -> int: ...
+    @property
+    def prompt_tokenizer(self) -> Tokenizer | None: ...
     def encode(
         self,
         prompt: str | None,
@@ -215,21 +217,3 @@ def load_engine(spec: RunnerSpec) -> Engine:
         lanes=spec.lanes,
         prompt_cache_bytes=spec.prompt_cache_bytes,
     )
-
-
-def read_inbox(store: Store, runner_id: str, commands: queue.Queue[Any]) -> None:
-    """Move the runner's Redis inbox into `commands`, from a thread of its own, so the batching
-    loop never waits on the network."""
-
-    def read() -> None:
-        while True:
-            try:
-                command = store.next_runner_command(runner_id, INBOX_POLL_S)
-            except Exception:
-                log.exception("reading the inbox failed; retrying")
-                time.sleep(INBOX_POLL_S)
-                continue
-            if command is not None:
-                commands.put(command)
-
-    threading.Thread(target=read, name="inbox", daemon=True).start()

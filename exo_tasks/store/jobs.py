@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
-from exo_tasks import lifecycle, metrics
+from config.celery import PRIORITY_CLASSES
+from exo_tasks import fairness, lifecycle, metrics
 from exo_tasks.broker import queue_lists
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.store.keys import (
     ACTIVE_JOBS,
     RECENT_JOBS,
+    client_key,
     endings_key,
     events_key,
     job_key,
@@ -30,12 +32,14 @@ from exo_tasks.store.metrics import MetricRecords
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
+    JobEnding,
     JobEvent,
     JobRecord,
     JobStatus,
     RequeuedEvent,
     TokenEvent,
 )
+from exo_tasks.wire import STORED
 
 log = logging.getLogger("exo_tasks.store")
 RECENT_JOBS_KEPT = 10_000
@@ -43,13 +47,27 @@ RECENT_JOBS_KEPT = 10_000
 _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
 _ending_adapter: TypeAdapter[DoneEvent | RequeuedEvent] = TypeAdapter(DoneEvent | RequeuedEvent)
 
+
+def leave_waiting(new_status: str, job_id: str) -> str:
+    """Lua for a script that moves the job of hash KEYS[1] from status `current` to
+    `new_status`: a job that leaves `queued` leaves its client's waiting jobs (exo_tasks.fairness),
+    a set its hash names. A key outside KEYS: the store's scripts already touch a job's and a
+    queue's keys together, so it runs on one Redis, never a cluster."""
+    return f"""
+if current == 'queued' and {new_status} ~= 'queued' then
+  local waiting = redis.call('HGET', KEYS[1], 'client')
+  if waiting then redis.call('ZREM', waiting, {job_id}) end
+end
+"""
+
+
 # KEYS: job hash, event stream, endings stream, active jobs. ARGV: new status, record, event
 # name ('' for none), event data, ttl seconds (each key's expiry starts again), the owner the
 # job must still have ('' for any), the new owner, the job id, then the statuses the job may
 # move from. The only events a transition appends end an attempt (done, error, requeued): they
 # go to the endings stream too, which the task waiting for the attempt reads without waking for
 # every token. An ending (done, error) leaves the active jobs.
-TRANSITION = """
+TRANSITION = f"""
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return 0 end
 local allowed = false
@@ -58,6 +76,7 @@ for i = 9, #ARGV do
 end
 if not allowed then return 0 end
 if ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[6] then return 0 end
+{leave_waiting("ARGV[1]", "ARGV[8]")}
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2], 'owner', ARGV[7])
 if ARGV[3] ~= '' then
   redis.call('XADD', KEYS[2], '*', 'event', ARGV[3], 'data', ARGV[4])
@@ -68,20 +87,53 @@ if ARGV[3] == 'done' or ARGV[3] == 'error' then redis.call('SREM', KEYS[4], ARGV
 return 1
 """
 
-# KEYS: job hash, recent jobs, active jobs, then the queue's lists. ARGV: the most messages
-# allowed in the queue, status, record, created_at, job id, ttl seconds, queue. Creates the job
-# unless the queue is full; returns the messages found in the queue.
+# KEYS: job hash, recent jobs, active jobs, then the client's sets of waiting jobs (ARGV[8] of
+# them: none, or its set for the job's priority class first, then the other classes'), then the
+# queue's lists. ARGV: the most messages allowed in the queue, status, record, created_at, job
+# id, ttl seconds, queue, the number of client sets, the most jobs the client may have waiting,
+# the oldest creation time a waiting job can have (an older one's record has expired), then the
+# job's step by the number of its client's jobs waiting in its class (fairness.step_table).
+# Creates the job unless the queue is full or the client has its quota waiting. Returns the
+# messages in the queue, the client's waiting jobs, and the job's step (-1: not created).
 CREATE_UNLESS_FULL = f"""
+local sets = tonumber(ARGV[8])
 local depth = 0
-for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-if depth >= tonumber(ARGV[1]) then return depth end
+for i = 4 + sets, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+local mine, ahead = 0, 0
+for i = 4, 3 + sets do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', '(' .. ARGV[10])
+  local n = redis.call('ZCARD', KEYS[i])
+  mine = mine + n
+  if i == 4 then ahead = n end
+end
+if depth >= tonumber(ARGV[1]) or (sets > 0 and mine >= tonumber(ARGV[9])) then
+  return {{depth, mine, -1}}
+end
+local step = ARGV[11 + math.min(ahead, #ARGV - 11)]
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'record', ARGV[3], 'queue', ARGV[7])
+redis.call('HSET', KEYS[1], 'priority', step)
+if sets > 0 then
+  redis.call('HSET', KEYS[1], 'client', KEYS[4])
+  redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5])
+  redis.call('EXPIRE', KEYS[4], ARGV[6])
+end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -{RECENT_JOBS_KEPT + 1})
-return depth
+return {{depth, mine, tonumber(step)}}
 """
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a job's creation found: the messages waiting in its queue, its client's jobs
+    waiting (all classes), and the priority step it was given (None: not created, the queue
+    or the client's quota was full)."""
+
+    depth: int
+    client_waiting: int
+    step: int | None
 
 
 @dataclass(frozen=True)
@@ -106,18 +158,48 @@ class JobRecords(MetricRecords):
             pipe.llen(key)
         return sum(pipe.execute())
 
-    def create_job(self, job: JobRecord, queue: str, max_queued: int) -> int:
-        """Record a new job unless `queue` holds `max_queued` messages already, in one round
-        trip. Returns the messages found in the queue: the job was created if fewer."""
-        keys = [job_key(job.id), RECENT_JOBS, ACTIVE_JOBS, *queue_lists(queue)]
+    def create_job(
+        self, job: JobRecord, queue: str, max_queued: int, client: str | None = None, quota: int = 0
+    ) -> Admission:
+        """Record a new job unless `queue` holds `max_queued` messages already or `client`
+        (a fairness.Client key; None: counted nowhere) has `quota` jobs waiting, in one round
+        trip, and give it its priority step (exo_tasks.fairness)."""
+        priority = job.request.priority
+        classes = sorted(PRIORITY_CLASSES, key=lambda name: name != priority)
+        sets = [client_key(client, name) for name in classes] if client else []
+        keys = [job_key(job.id), RECENT_JOBS, ACTIVE_JOBS, *sets, *queue_lists(queue)]
         created = job.created_at.timestamp()
-        args: list[str | int | float] = [max_queued, job.status, job.model_dump_json(), created]
-        args += [job.id, self.job_ttl_s, queue]
-        return int(self.script(CREATE_UNLESS_FULL)(keys=keys, args=args))
+        args: list[str | int | float] = [
+            max_queued,
+            job.status,
+            job.model_dump_json(context=STORED),
+            created,
+        ]
+        args += [job.id, self.job_ttl_s, queue, len(sets), quota, created - self.job_ttl_s]
+        args += fairness.step_table(priority)
+        depth, waiting, step = self.script(CREATE_UNLESS_FULL)(keys=keys, args=args)
+        return Admission(int(depth), int(waiting), None if step < 0 else int(step))
+
+    def client_waiting(self, client: str) -> int:
+        """The jobs `client` has waiting, all priority classes."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name in PRIORITY_CLASSES:
+            pipe.zcard(client_key(client, name))
+        return sum(pipe.execute())
+
+    def queue_priority(self, job_id: str) -> int | None:
+        """The priority step a job was given when it was created (None before steps were)."""
+        raw = self.redis.hget(job_key(job_id), "priority")
+        return int(raw) if raw is not None else None
 
     def get_job(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hget(job_key(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
+
+    def final_job(self, done: DoneEvent) -> JobEnding:
+        """The job whole (its request, its logprobs), as it ended: from its record, which keeps
+        what its ending does not repeat (as its ending has it if the record is gone)."""
+        return self.get_job(done.job.id) or done.job
 
     def job_and_runner(
         self, job_id: str, runner_id: str
@@ -179,10 +261,19 @@ class JobRecords(MetricRecords):
         job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
-            event = DoneEvent(event=lifecycle.ending_event(job), job=job)
+            # Its request and logprobs are kept in its record only (final_job reads them there).
+            output = job.output.model_copy(update={"logprobs": None})
+            event = DoneEvent(
+                event=lifecycle.ending_event(job), job=job.model_copy(update={"output": output})
+            )
         if event is not None:
-            event_name, event_data = event.event, event.model_dump_json()
-        args: list[str | int] = [job.status, job.model_dump_json(), event_name, event_data]
+            event_name, event_data = event.event, event.model_dump_json(context=STORED)
+        args: list[str | int] = [
+            job.status,
+            job.model_dump_json(context=STORED),
+            event_name,
+            event_data,
+        ]
         args += [self.job_ttl_s, move.owner or "", job.owner or "", job.id, *move.allowed_from]
         return args
 
@@ -199,7 +290,8 @@ class JobRecords(MetricRecords):
         blocked on a job's stream wakes once, with the step's token and the job's end together."""
         pipe = self.redis.pipeline(transaction=True)
         for job_id, token in tokens:
-            pipe.xadd(events_key(job_id), {"event": token.event, "data": token.model_dump_json()})
+            data = token.model_dump_json(context=STORED)
+            pipe.xadd(events_key(job_id), {"event": token.event, "data": data})
             # An attempt's first token: the stream expires even if the job never ends.
             if token.index == 0:
                 pipe.expire(events_key(job_id), self.job_ttl_s)

@@ -21,11 +21,17 @@ RunnerPart = Literal["jobs", "inbox", "history"]
 
 
 def job_key(job_id: str, stream: JobStream | None = None) -> str:
-    """The job's hash (`status`, `record`, `queue`, `owner`, `runner`, `cancel`), or one of its
-    streams: `events` (every token, requeue and ending), `endings` (how each attempt ended:
-    what a task waits on)."""
+    """The job's hash (`status`, `record`, `queue`, `priority`, `client`, `owner`, `runner`,
+    `cancel`), or one of its streams: `events` (every token, requeue and ending), `endings`
+    (how each attempt ended: what a task waits on)."""
     key = f"{PREFIX}:job:{job_id}"
     return key if stream is None else f"{key}:{stream}"
+
+
+def client_key(client: str, priority: str) -> str:
+    """A sorted set: the ids of a client's jobs of one priority class that wait in a queue
+    (exo_tasks.fairness), scored by creation time."""
+    return f"{PREFIX}:client:{client}:waiting:{priority}"
 
 
 def events_key(job_id: str) -> str:

@@ -20,3 +20,8 @@ class MetricRecords(RedisPart):
         for metric in metrics.STORED:
             pipe.hgetall(metric.key)
         return {m.name: stored for m, stored in zip(metrics.STORED, pipe.execute(), strict=True)}
+
+    def memory(self) -> tuple[int, int]:
+        """Redis's memory in use and its `maxmemory` (0: no limit), in bytes."""
+        info = self.redis.info("memory")
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))

@@ -11,12 +11,13 @@ from pydantic import TypeAdapter, ValidationError
 from exo_tasks import lifecycle
 from exo_tasks.commands import RunnerCommand, SubmitJob
 from exo_tasks.fleet_types import RunnerState, StatusChange
-from exo_tasks.store.jobs import JobRecords
+from exo_tasks.store.jobs import JobRecords, leave_waiting
 from exo_tasks.store.keys import (
     RUNNERS,
     job_key,
     runner_key,
 )
+from exo_tasks.wire import STORED
 
 RUNNER_HISTORY_KEPT = 50
 
@@ -27,13 +28,14 @@ _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 # status, then the statuses it may move from (exo_tasks.lifecycle). A queued job is marked
 # running, counted as the runner's and put in its inbox at once; a job no longer queued
 # (cancelled meanwhile) is left alone.
-HAND_OVER = """
+HAND_OVER = f"""
 local current = redis.call('HGET', KEYS[1], 'status')
 local allowed = false
 for i = 7, #ARGV do
   if current == ARGV[i] then allowed = true end
 end
 if not allowed then return 0 end
+{leave_waiting("ARGV[6]", "ARGV[2]")}
 redis.call('HSET', KEYS[1], 'status', ARGV[6], 'record', ARGV[1])
 redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'runner', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[2])
@@ -101,9 +103,9 @@ class RunnerRecords(JobRecords):
         job = command.job
         keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
         args = [
-            job.model_dump_json(),
+            job.model_dump_json(context=STORED),
             job.id,
-            command.model_dump_json(),
+            command.model_dump_json(context=STORED),
             job.owner or "",
             runner_id,
             job.status,

@@ -17,7 +17,7 @@ from celery import Task, states
 from celery.exceptions import Ignore
 from kombu.exceptions import KombuError
 
-from exo_tasks.types import JobRecord, JobStatus
+from exo_tasks.types import JobEnding, JobStatus
 
 log = logging.getLogger("exo_tasks.tasks")
 # A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
@@ -66,7 +66,7 @@ class TaskProgress:
             return False
 
 
-def finish(task: Task[Any, Any], job_id: str, job: JobRecord | None) -> dict[str, Any]:
+def finish(task: Task[Any, Any], job_id: str, job: JobEnding | None) -> dict[str, Any]:
     """End the task as its job ended. A succeeded job (or an unknown one) is the task's result;
     a cancelled one makes the task `REVOKED` (stored and announced here, then the task is
     ignored so that Celery stores nothing over it); a failed or timed-out one raises JobEnded,

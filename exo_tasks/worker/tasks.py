@@ -38,7 +38,7 @@ from exo_tasks.naming import (
     runner_id_for,
 )
 from exo_tasks.store import Store
-from exo_tasks.types import JobRecord, JobStatus, RequeuedEvent
+from exo_tasks.types import JobEnding, JobRecord, JobStatus, RequeuedEvent
 from exo_tasks.worker import task_states
 from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
 
@@ -139,7 +139,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         max_tokens = prepared.job.request.max_tokens
         progress = task_states.TaskProgress(self, max_tokens, attempt.events_before)
         final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
-        _remember_prefixes(self, final)
+        _remember_prefixes(self, prepared.job, final)
         return task_states.finish(self, job_id, final)
     except Reject as reject:
         reason, requeue = reject.args  # (celery-stubs lack the attributes)
@@ -174,13 +174,13 @@ def _routed_here(task: Task[Any, Any], job: JobRecord) -> bool:
     return job.request.host is None and host_of_queue(routing_key) is not None
 
 
-def _remember_prefixes(task: Task[Any, Any], job: JobRecord) -> None:
+def _remember_prefixes(task: Task[Any, Any], job: JobRecord, final: JobEnding) -> None:
     """A job that succeeded left its prompt and answer in this host's prompt cache: the next
     turn of its conversation is best run here (exo_tasks.prefix_routing)."""
     settings = _app(task).settings
-    if job.status != JobStatus.SUCCEEDED or settings.prefix_routing_ttl_s <= 0:
+    if final.status != JobStatus.SUCCEEDED or settings.prefix_routing_ttl_s <= 0:
         return
-    digests = prefix_routing.conversation_digests(job.request, job.output.text)
+    digests = prefix_routing.conversation_digests(job.request, final.output.text)
     if not digests:
         return
     try:
@@ -241,7 +241,7 @@ def _limits(task: Task[Any, Any], job: JobRecord) -> limits.JobLimits:
     return limits.JobLimits(soft_s=soft_limit or own.soft_s, hard_s=hard_limit or own.hard_s)
 
 
-def _after_soft_limit(store: Store, job_id: str, attempt: Attempt | None) -> JobRecord | None:
+def _after_soft_limit(store: Store, job_id: str, attempt: Attempt | None) -> JobEnding | None:
     """The soft limit: a job not handed over yet never ran and times out here; a handed-over
     one is cancelled at its runner, and followed (bounded) from where its attempt began, so an
     ending written just before the limit counts."""
@@ -296,7 +296,7 @@ def _follow(
     after: str,
     until: float | None = None,
     progress: task_states.TaskProgress | None = None,
-) -> JobRecord:
+) -> JobEnding:
     """Wait for the end of the job's attempt: its first ending after stream position `after`.
     Returns the final record; never waits on a dead runner. A job its runner put back on the
     queue is rejected with requeue, so Celery delivers it again (after a restart, or to

@@ -130,12 +130,15 @@ def test_many_empty_messages_are_refused_at_submission(stack: Stack) -> None:
 
 @pytest.mark.usefixtures("same_runner")
 def test_the_runner_refuses_a_prompt_over_the_token_cap_exactly(stack: Stack) -> None:
-    """The API cannot tokenize; the runner can, and refuses at admission what is over."""
+    """The API's door counts the messages' contents (8,190 tokens: under the cap); the runner
+    counts them after the chat template (24 tokens more: over), and refuses at admission."""
     beside = stack.api.submit(prompt="beside", max_tokens=300, ignore_eos=True)
-    over = stack.api.submit(prompt="p" * 9_000, max_tokens=1)
+    over = stack.api.submit(messages=[{"role": "user", "content": "p" * 8_190}], max_tokens=1)
     job = stack.api.wait_job(over)
     assert job["status"] == "failed"
-    assert "tokens after the chat template; at most 8192 (EXO_MAX_PROMPT_TOKENS)" in job["error"]
+    assert job["error"] == (
+        "the prompt is 8214 tokens after the chat template; at most 8192 (EXO_MAX_PROMPT_TOKENS)"
+    )
     beside_job = stack.api.wait_job(beside)
     assert beside_job["status"] == "succeeded"
     assert beside_job["usage"]["completion_tokens"] == 300
@@ -359,7 +362,7 @@ def test_a_chunked_body_over_the_cap_is_413(stack: Stack) -> None:
 
 
 def test_job_keys_expire_and_summaries_leave_the_prompt_out(stack: Stack) -> None:
-    prompt = "p" * 50_000
+    prompt = "p" * 8_000
     response = stack.api.post("/v1/jobs", json={"prompt": prompt, "max_tokens": 300})
     assert response.status_code == 202 and len(response.content) < 2_000
     job_id = response.json()["id"]
@@ -401,7 +404,7 @@ def test_a_full_redis_refuses_writes_with_503_and_evicts_nothing(
                 while True:
                     store.redis.set(f"filler:{fillers}", "x" * size)
                     fillers += 1
-        error = error_of(api.post("/v1/jobs", json={"prompt": "a" * 10_000}), 503)
+        error = error_of(api.post("/v1/jobs", json={"prompt": "a" * 8_000}), 503)
         assert error["type"] == "storage_full" and "EXO_REDIS_MAXMEMORY_MB" in error["message"]
         assert store.redis.exists(*(f"filler:{i}" for i in range(fillers))) == fillers
         assert api.get("/v1/jobs").status_code == 200  # reads still answer

@@ -9,20 +9,33 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 
-from exo_tasks.fleet_types import HostState
+from exo_tasks.fleet_types import HostState, RunnerState
 from exo_tasks.instances import InstanceStatus
-from exo_tasks.store import Store
+from exo_tasks.store import Store, runner_key
+from exo_tasks.store.keys import RUNNERS
 from exo_tasks.types import utcnow
 
 # Longer than any test that holds them; removed at its end anyway.
 HELD_TTL_S = 300.0
 
 
+def held_incarnation(host: str) -> str:
+    """The incarnation a held host beats with: a job a test hands over there names it as its
+    owner, so the recovery loop sees its owner live (and leaves it running)."""
+    return f"{host}:{os.getpid()}:0"
+
+
 @contextlib.contextmanager
 def held_hosts(store: Store, *hosts: str, models: Sequence[str] = ()) -> Iterator[list[str]]:
     """`hosts`, beating for the block's duration, each announcing it serves `models` whole."""
     for host in hosts:
-        state = HostState(name=host, pid=os.getpid(), models=list(models), started_at=utcnow())
+        state = HostState(
+            name=host,
+            pid=os.getpid(),
+            incarnation=held_incarnation(host),
+            models=list(models),
+            started_at=utcnow(),
+        )
         store.publish_host(state, HELD_TTL_S)
     try:
         yield list(hosts)
@@ -37,3 +50,15 @@ def move_instance(
     """The instance moved through `statuses` as its hosts' supervisors would move it."""
     for status in statuses:
         assert store.transition_instance(instance_id, status, error=error), status
+
+
+@contextlib.contextmanager
+def held_runner(store: Store, state: RunnerState) -> Iterator[RunnerState]:
+    """A runner's state published as its supervisor publishes it, on a held host, and gone
+    (state, history, its place in the runner list) at the block's end."""
+    store.publish_runner(state)
+    try:
+        yield state
+    finally:
+        store.redis.srem(RUNNERS, state.id)
+        store.redis.delete(runner_key(state.id), runner_key(state.id, "history"))

@@ -79,12 +79,13 @@ class Processes:
     extra_pids: set[int] = field(default_factory=set)
 
     def start(
-        self, argv: list[str], env: dict[str, str], log_path: Path
+        self, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None
     ) -> subprocess.Popen[bytes]:
         log = log_path.open("ab")
         proc = subprocess.Popen(
             argv,
             env=env,
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ from exo_tasks.commands import CancelJob, RunnerCommand, StartRunnerRequest, Sub
 from exo_tasks.errors import RunnerGone
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.naming import host_queue, model_queue
-from exo_tasks.types import JobRecord, JobStatus, utcnow
+from exo_tasks.types import JobEnding, JobRecord, JobStatus, utcnow
 from exo_tasks.worker import tasks
 from exo_tasks.worker.task_states import JobEnded
 from tests.unit.fakes import (
@@ -188,7 +188,7 @@ class TestHandOver:
 
 
 class TestFollow:
-    def follow(self, store: FakeStore, job: JobRecord, after: str = "0-0", **kw: Any) -> JobRecord:
+    def follow(self, store: FakeStore, job: JobRecord, after: str = "0-0", **kw: Any) -> JobEnding:
         return tasks._follow(store.as_store, job.id, store.runners[RUNNER_ID], after, **kw)
 
     def started(self, store: FakeStore) -> JobRecord:

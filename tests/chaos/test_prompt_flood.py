@@ -1,0 +1,181 @@
+"""A flood of over-long prompts fails alone: each job with the limit named, no running job, no
+stream stalled, the runner never restarted (issue 27, finding 2).
+
+Two layers hold it. The API counts a prompt's tokens with the model's own tokenizer and refuses
+what is over EXO_MAX_PROMPT_TOKENS with a 422 before anything is stored or streamed. What the
+door cannot judge (a model whose tokenizer it cannot read, chat templates near the cap) reaches
+the runner, which refuses a prompt in a bounded share of each round and steps its batch between
+refusals, each refusal counting as the runner being alive."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from exo_tasks.fleet_types import RunnerState
+from tests.conftest import Stack, runner_state
+from tests.support import sse
+from tests.support.api import Api, api_settings, serving
+from tests.support.processes import wait_until
+
+CAP_ERROR = "at most 8192 (EXO_MAX_PROMPT_TOKENS)"
+# 100,000 characters: EXO_MAX_PROMPT_CHARS, about 12 times the token cap with any tokenizer.
+OVER_LONG = "the quick brown fox jumps over the lazy dog. " * 2_222
+# Enough for the runner alone to be stalled past its watchdog before the fix (the tiny model
+# tokenizes one in 20-30 ms): 150 is the issue's flood; make bench sends 1,000.
+FLOOD = 150
+
+
+@dataclass
+class Stream:
+    """A bystander's job stream, read in a thread: when each token arrived, and the text."""
+
+    api: Api
+    job_id: str
+    arrivals: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    done: dict[str, Any] = field(default_factory=dict)
+
+    def read(self) -> None:
+        url = f"{self.api.url}/v1/jobs/{self.job_id}/stream"
+        with requests.get(url, stream=True, timeout=60) as response:
+            for event in sse.read(response):
+                if event["event"] == "token":
+                    self.arrivals.append(time.monotonic())
+                    self.texts.append(event["data"]["text"])
+                else:
+                    self.done = event["data"]
+                    return
+
+    def unharmed(self, stack: Stack) -> None:
+        """Still streaming after the flood: stopped now (a cancel keeps its text), its stream
+        is whole and no token of it came a second or more after the one before."""
+        assert self.done == {}, f"the bystander ended during the flood: {self.done}"
+        assert stack.api.post(f"/v1/jobs/{self.job_id}/cancel").status_code == 202
+        job = stack.api.wait_job(self.job_id)
+        assert job["status"] == "cancelled", job
+        assert "".join(self.texts) == job["output"]["text"]
+        assert len(self.texts) == job["usage"]["completion_tokens"]
+        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+        assert max(gaps) < 1.0, f"a token came {max(gaps):.2f}s after the one before"
+
+
+@pytest.fixture
+def bystander(stack: Stack) -> Iterator[Stream]:
+    """A job streaming beside the flood, from before it starts until after it ends (4,000
+    tokens take the tiny model 15 s or more here)."""
+    job_id = stack.api.submit(prompt="bystander", max_tokens=4000, ignore_eos=True)
+    stream = Stream(stack.api, job_id)
+    reader = threading.Thread(target=stream.read, daemon=True)
+    reader.start()
+    wait_until(lambda: len(stream.arrivals) >= 5, 30, "the bystander's first tokens")
+    yield stream
+    reader.join(60)
+    assert not reader.is_alive(), "the bystander's stream never ended"
+
+
+@pytest.fixture
+def blind_api(stack: Stack, tmp_path: Path) -> Iterator[Api]:
+    """An API that serves the stack's model but cannot read its tokenizer (its copy of the
+    model's directory is empty): every prompt passes its door, as for a hub model this host
+    never downloaded."""
+    with serving(api_settings(stack.redis.url, [tmp_path / "tiny"])) as api:
+        yield api
+
+
+def flood(api: Api, count: int) -> list[requests.Response]:
+    def post(_: int) -> requests.Response:
+        return requests.post(f"{api.url}/v1/jobs", json={"prompt": OVER_LONG}, timeout=60)
+
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(post, range(count)))
+
+
+def unchanged(before: RunnerState, after: RunnerState) -> None:
+    assert (after.pid, after.restarts) == (before.pid, before.restarts), after
+    assert after.status.accepts_jobs, after
+
+
+def test_a_flood_the_runner_refuses_harms_no_other_job(
+    stack: Stack, blind_api: Api, bystander: Stream
+) -> None:
+    """Today's failure: the runner refused them one after another without stepping its batch,
+    the watchdog killed it after 5 s and the bystander failed with it."""
+    before = runner_state(stack.store, "host-a")
+    accepted = flood(blind_api, FLOOD)
+    assert [r.status_code for r in accepted] == [202] * FLOOD
+    for response in accepted:
+        job = stack.api.wait_job(response.json()["id"], timeout_s=60)
+        assert job["status"] == "failed", job
+        assert job["error"].startswith("prompt: is at least ") and CAP_ERROR in job["error"]
+    bystander.unharmed(stack)
+    unchanged(before, runner_state(stack.store, "host-a"))
+
+
+# --- the door: refused before anything is stored or streamed ---
+
+ROUTES = [
+    ("/v1/jobs", {"prompt": OVER_LONG}, "prompt"),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": OVER_LONG}]}, "messages"),
+    ("/v1/completions", {"model": "tiny", "prompt": OVER_LONG}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": OVER_LONG, "stream": True}, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": OVER_LONG}]},
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": OVER_LONG}], "stream": True},
+        "messages",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), ROUTES)
+def test_the_door_refuses_an_over_long_prompt_naming_the_field_and_the_limit(
+    stack: Stack, path: str, body: dict[str, Any], field: str
+) -> None:
+    before = stack.store.redis.zcard("exo:jobs")
+    response = requests.post(stack.api.url + path, json=body, timeout=30, stream=True)
+    assert response.headers["Content-Type"] == "application/json", "a stream was opened"
+    error = response.json()["error"]
+    # One token per character (the tiny model's); a message's two ends are not counted.
+    tokens = 99_990 if field == "prompt" else 99_990 - 4
+    message = f"{field}: is at least {tokens} tokens with the model's tokenizer; {CAP_ERROR}"
+    if path == "/v1/jobs":
+        assert response.status_code == 422
+        assert error["message"] == message
+        assert error["details"] == [
+            {
+                "field": field,
+                "message": message.removeprefix(f"{field}: "),
+                "tokens": tokens,
+                "limit": 8192,
+            }
+        ]
+    else:  # OpenAI's shape
+        assert response.status_code == 400
+        assert error["message"] == message and error["param"] == field
+    assert stack.store.redis.zcard("exo:jobs") == before, "a job was stored"
+
+
+def test_a_flood_at_the_door_is_refused_there_beside_a_stream(
+    stack: Stack, bystander: Stream
+) -> None:
+    before = runner_state(stack.store, "host-a")
+    jobs_before = stack.store.redis.zcard("exo:jobs")
+    refused = flood(stack.api, FLOOD)
+    assert [r.status_code for r in refused] == [422] * FLOOD
+    assert all(CAP_ERROR in r.json()["error"]["message"] for r in refused)
+    assert stack.store.redis.zcard("exo:jobs") == jobs_before
+    bystander.unharmed(stack)
+    unchanged(before, runner_state(stack.store, "host-a"))
