@@ -77,7 +77,7 @@ class Runner:
         self.serving = False
         self.terminate_requested = False
         self.step_s = 0.0  # how long the last generation step took
-        self.keep_alive = KeepAlive(spec.idle_unload_s)
+        self.keep_alive = KeepAlive(spec.idle_unload_s, jobs_decide=spec.rank is None)
 
     @property
     def loaded(self) -> Engine:
@@ -136,8 +136,7 @@ class Runner:
         return 0
 
     def load(self) -> None:
-        engine = self.engine_factory(self.spec)
-        self.engine = engine
+        self.engine = engine = self.engine_factory(self.spec)
         self.outbox.amend(
             model_loads=self.outbox.state.model_loads + 1,
             lanes=engine.lanes,
@@ -341,8 +340,7 @@ class Runner:
         if in_engine:
             self.loaded.remove(job_id)
         self.outbox.endings.append(job.ended(JobStatus(status), reason, error))
-        keep_alive = None if self.spec.rank else job.record.request.keep_alive  # a rank stays
-        self.keep_alive.idle_from(time.monotonic(), keep_alive)
+        self.keep_alive.idle_from(time.monotonic(), job.record.request.keep_alive)
         log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
         self._after_job_left()
 
