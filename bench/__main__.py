@@ -25,6 +25,7 @@ from bench import (
     batch,
     flood,
     frontdoor,
+    instances,
     overhead,
     prefix,
     report,
@@ -46,6 +47,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "batch": batch.run,
     "frontdoor": frontdoor.run,
     "prefix": prefix.run,
+    "instances": instances.run,
     "flood": flood.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     run["other_pytest_processes_at_end"] = other_pytests()
     report.set_targets(results)
     prefix.set_targets(results)
+    instances.set_targets(results)
     report.write_json(results, args.out / "latest.json", run)
     report.chart(results, args.out / "latest.png")
     print(report.table(results))

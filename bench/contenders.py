@@ -108,11 +108,18 @@ class MlxServer:
     processes: Processes
 
 
-def start_mlx_server(lab: Lab, name: str, model_dir: Path) -> MlxServer:
-    """`python -m mlx_lm server --model DIR`; returns once /health answers 200."""
+def start_mlx_server(lab: Lab, name: str, model_dir: Path, ranks: int = 1) -> MlxServer:
+    """`python -m mlx_lm server --model DIR`, or with `ranks` > 1 as mlx-lm runs it
+    distributed, `mlx.launch --backend ring -n RANKS ... mlx_lm.server`; returns once /health
+    answers 200."""
     processes, directory = lab.group(name)
     port = free_port()
     argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir)]
+    if ranks > 1:
+        bin_dir = Path(sys.executable).parent
+        argv = [str(bin_dir / "mlx.launch"), "--backend", "ring", "-n", str(ranks)]
+        argv += ["--starting-port", str(free_port()), "--python", sys.executable, "--"]
+        argv += [str(bin_dir / "mlx_lm.server"), "--model", str(model_dir)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = processes.start(argv, env, directory / "mlx.log")

@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     job_hard_grace_s: float = 30.0
     runner_shutdown_grace_s: float = 30.0
     runner_start_timeout_s: float = 300.0
+    ring_address: str = Field(
+        "127.0.0.1",
+        description="The address this host's instance ranks listen on for their ring peers "
+        "(mx.distributed's ring backend, TCP; a port chosen at each start): one the other "
+        "hosts of the instance can reach.",
+    )
     runner_max_restarts: int = 5
     prefill_timeout_s: float = 60.0
     decode_timeout_s: float = 5.0

@@ -55,6 +55,9 @@ class RunnerState(BaseModel):
     pid: int | None = None
     active_jobs: int = 0
     largest_batch: int = 0
+    weights_bytes: int | None = Field(
+        None, description="Bytes of model parameters the runner holds (a rank: its shard's)."
+    )
     prompt_cache_bytes: int = Field(
         0, description="Bytes of KV state in the runner's prompt cache (EXO_PROMPT_CACHE_BYTES)."
     )

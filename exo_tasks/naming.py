@@ -60,6 +60,13 @@ def instance_queue(instance_id: str) -> str:
     return f"{INSTANCE_QUEUE_PREFIX}{instance_id}"
 
 
+def instance_of_queue(queue: str) -> str | None:
+    """The instance whose queue `queue` is; None for any other queue."""
+    if not queue.startswith(INSTANCE_QUEUE_PREFIX):
+        return None
+    return queue.removeprefix(INSTANCE_QUEUE_PREFIX)
+
+
 def instance_runner_id(instance_id: str, rank: int) -> str:
     """The runner of one rank of an instance (one per host of the instance)."""
     return f"{instance_id}{RANK_INFIX}{rank}"

@@ -12,6 +12,7 @@ import pytest
 from exo_tasks.store import Store
 from tests.support import workers
 from tests.support.api import Api, api_settings, serving
+from tests.support.instances import Pair, running_pair
 from tests.support.processes import (
     Processes,
     RedisServer,
@@ -155,6 +156,20 @@ def fleet(
     for worker, model in ((x, "alpha"), (y, "alpha"), (y, "beta")):
         wait_runner_ready(store, worker, model)
     return TwoHosts(x=x, y=y)
+
+
+@pytest.fixture(scope="module")
+def pair(
+    redis_server: RedisServer,
+    store: Store,
+    chat_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Pair]:
+    """Workers a and b and an instance of the chat model over them, Ready: one per module
+    (its tests break and restart it)."""
+    data_dir = tmp_path_factory.mktemp("instance-pair")
+    with running_pair(redis_server.url, store, data_dir, chat_model) as pair:
+        yield pair
 
 
 # --- helpers for tests that run a worker of their own (pinned jobs, real signals) ---

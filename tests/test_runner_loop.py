@@ -47,6 +47,7 @@ class FakeEngine:
     prefill_chunks = 0
     tool_calling = False
     prompt_cache_bytes = 0
+    weights_bytes = 0
     prompt_tokenizer = None
 
     def __init__(self) -> None:

@@ -8,9 +8,11 @@
 - `engine`, `lane`, `lane_threads`: continuous batching over mlx-lm's `BatchGenerator`.
 - `sampling`, `prompt_cache`, `toolcalls`, `keep_alive`: a job's own sampling, the prompt
   cache, tool calls out of streamed text, when an idle runner unloads.
+- `rank`, `ring`, `schedule`: a rank of an instance (its ring over `mx.distributed`, its
+  shard, the loop of a rank other than 0) and rank 0's schedule, shared with the others.
 
-Only the runner process imports `engine`, `lane` and `sampling` (they load MLX); the worker's
-main process imports `main` and `process` to spawn it.
+Only the runner process imports `engine`, `lane`, `sampling` and `schedule` (they load MLX);
+the worker's main process imports `main` and `process` to spawn it.
 """
 
 __all__ = [
@@ -25,6 +27,9 @@ __all__ = [
     "outbox",
     "process",
     "prompt_cache",
+    "rank",
+    "ring",
     "sampling",
+    "schedule",
     "toolcalls",
 ]

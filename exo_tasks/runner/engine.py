@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 from tokenizers import Tokenizer
 
@@ -107,6 +108,8 @@ class BatchEngine:
         self._samplers = sampling.Samplers()
         self._vocab_size = len(tokenizer.get_vocab())
         self._largest_batch = 0
+        parameters: Any = tree_flatten(model.parameters())  # [(name, array)]
+        self._weights_bytes = sum(int(v.nbytes) for _, v in parameters)
         self._prefill_chunks = 0
 
     @property
@@ -131,6 +134,11 @@ class BatchEngine:
     def prefill_chunks(self) -> int:
         """Prompt chunks the last step prefilled: progress even when no job sampled a token."""
         return self._prefill_chunks
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the model's parameters this process holds (a rank: its shard's)."""
+        return self._weights_bytes
 
     @property
     def largest_batch(self) -> int:

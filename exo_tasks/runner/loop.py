@@ -77,7 +77,7 @@ class Runner:
         self.serving = False
         self.terminate_requested = False
         self.step_s = 0.0  # how long the last generation step took
-        self.keep_alive = KeepAlive(spec.idle_unload_s)
+        self.keep_alive = KeepAlive(spec.idle_unload_s, jobs_decide=spec.rank is None)
 
     @property
     def loaded(self) -> Engine:
@@ -136,12 +136,12 @@ class Runner:
         return 0
 
     def load(self) -> None:
-        engine = self.engine_factory(self.spec)
-        self.engine = engine
+        self.engine = engine = self.engine_factory(self.spec)
         self.outbox.amend(
             model_loads=self.outbox.state.model_loads + 1,
             lanes=engine.lanes,
             tool_calling=engine.tool_calling,
+            weights_bytes=engine.weights_bytes,
         )
         self.outbox.publish(RunnerStatus.LOADED)
         self.outbox.publish(RunnerStatus.WARMING_UP)

@@ -9,14 +9,15 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel
 
 from config.settings import Settings
 from exo_tasks import lifecycle
 from exo_tasks.fleet_types import RunnerState
-from exo_tasks.naming import is_local_path, model_slug, runner_id_for
+from exo_tasks.instances import InstanceRecord
+from exo_tasks.naming import instance_runner_id, is_local_path, model_slug, runner_id_for
 from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
@@ -35,6 +36,23 @@ EXIT_UNLOADED = 3
 
 class ConfigError(Exception):
     """The runner's configuration is wrong: restarting it would fail the same way."""
+
+
+class RankSpec(BaseModel):
+    """A runner that is one rank of an instance: which start (generation) of which instance,
+    and where it listens for its ring peers."""
+
+    instance_id: str
+    generation: int
+    rank: int
+    world: int
+    parallel: Literal["tensor", "pipeline"]
+    address: str  # EXO_RING_ADDRESS
+
+
+def rank_failure(rank: int, host: str, cause: str) -> str:
+    """Why an instance failed, as its `error` says it: the rank, its host and the cause."""
+    return f"rank {rank} on host {host}: {cause}"
 
 
 class RunnerSpec(BaseModel):
@@ -56,6 +74,7 @@ class RunnerSpec(BaseModel):
     lanes: int | None = None  # None: the engine's default for the device
     idle_unload_s: float | None = None  # None: stay loaded while idle
     log_level: str = "INFO"
+    rank: RankSpec | None = None  # None: the whole model
 
     @classmethod
     def for_model(cls, model_path: str, settings: Settings) -> RunnerSpec:
@@ -78,6 +97,30 @@ class RunnerSpec(BaseModel):
             idle_unload_s=settings.runner_idle_unload_s,
             log_level=settings.log_level,
         )
+
+    @classmethod
+    def for_rank(
+        cls, instance: InstanceRecord, rank: int, model_path: str, settings: Settings
+    ) -> RunnerSpec:
+        """The spec of this host's rank of `instance`: one lane (the ranks run their batch
+        operations in one order), never unloaded while idle (rank 0 alone could not)."""
+        whole = cls.for_model(model_path, settings)
+        spec = RankSpec(
+            instance_id=instance.id,
+            generation=instance.generation,
+            rank=rank,
+            world=len(instance.hosts),
+            parallel=instance.parallel,
+            address=settings.ring_address,
+        )
+        update = {
+            "runner_id": instance_runner_id(instance.id, rank),
+            "model": instance.model,
+            "lanes": 1,
+            "idle_unload_s": None,
+            "rank": spec,
+        }
+        return whole.model_copy(update=update)
 
     def first_state(self) -> RunnerState:
         """The state a runner process starts with, in this process."""
@@ -134,6 +177,8 @@ class Engine(Protocol):
     def tool_calling(self) -> bool: ...
     @property
     def prompt_cache_bytes(self) -> int: ...
+    @property
+    def weights_bytes(self) -> int: ...
     @property
     def prompt_tokenizer(self) -> Tokenizer | None: ...
     def encode(

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 from typing import Any, cast
 
 import redis
@@ -30,6 +31,7 @@ from exo_tasks.logs import configure_logging
 from exo_tasks.naming import host_queue, model_queue, model_slug, node_name
 from exo_tasks.types import utcnow
 from exo_tasks.worker import revocation
+from exo_tasks.worker.ranks import RankKeeper
 from exo_tasks.worker.supervisor import RunnerSupervisor
 
 log = logging.getLogger("exo_tasks.worker")
@@ -59,6 +61,17 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             )
 
         supervisor = RunnerSupervisor(settings, store, on_serving=set_serving)
+
+        def consume(queue: str, serving: bool) -> None:
+            change = app.control.add_consumer if serving else app.control.cancel_consumer
+            change(queue, destination=[node])
+            log.info(
+                "instance queue %s",
+                "consumed" if serving else "no longer consumed",
+                extra={"queue": queue},
+            )
+
+        self.keeper = RankKeeper(settings, store, supervisor, consume)
         host = HostState(
             name=settings.hostname,
             pid=os.getpid(),
@@ -81,6 +94,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
         self.feeder: Any = None  # spawned in start()
 
         def on_stopped() -> None:
+            self.keeper.stop()
             if self.feeder is not None:
                 batch_process.stop(self.feeder)
             self.recovery.stop()
@@ -92,6 +106,8 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             # Warm: in-flight jobs get the window. Cold (also a second Ctrl-C during a warm
             # shutdown): the runners requeue their jobs now.
             supervisor.drain(settings.worker_soft_shutdown_s if how == "Warm" else 0.0)
+            # Its instances stop too (Redis writes: not in this signal handler's thread).
+            threading.Thread(target=self.keeper.leave, args=(how != "Warm",), daemon=True).start()
 
         # Runs inside Celery's signal handler: drain() only records a deadline.
         worker_shutting_down.connect(on_shutting_down, weak=False)
@@ -114,6 +130,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
         # Drives OpenAI batches, in one worker at a time (its own lease), in its own process.
         self.feeder = batch_process.start(worker.app.settings, worker.app.incarnation)
         super().start(worker)
+        self.keeper.start()
 
 
 def _held_delivery_tags() -> list[str]:

@@ -5,6 +5,7 @@ supervisor keeps of each runner. No processes are started or signalled here."""
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -14,6 +15,8 @@ from exo_tasks.runner import process as runner_process
 
 # Called with (model, serving?) when a runner stops or starts serving on purpose.
 ServingCallback = Callable[[str, bool], None]
+# Called with a rank's handle, exit code and cause when a rank of an instance exits.
+RankExitCallback = Callable[["RunnerHandle", int, str], None]
 # Called once every runner has stopped for good: the host leaves the fleet.
 StoppedCallback = Callable[[], None]
 
@@ -32,6 +35,13 @@ def exit_cause(exitcode: int | None) -> str:
     if exitcode < 0:
         return f"Terminated (signal {-exitcode} {signal.Signals(-exitcode).name})"
     return f"exitcode={exitcode}"
+
+
+def in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
+    """Run `target(*args)` in a daemon thread of its own, started."""
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
 
 
 def restart_backoff_s(failures_in_a_row: int) -> float:

@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
@@ -32,10 +31,12 @@ from exo_tasks.worker.supervision import (
     HEALTHY_UPTIME_S,
     KILL_WAIT_S,
     TERM_WAIT_S,
+    RankExitCallback,
     RunnerHandle,
     ServingCallback,
     StoppedCallback,
     exit_cause,
+    in_thread,
     restart_backoff_s,
 )
 
@@ -61,6 +62,8 @@ class RunnerSupervisor:
         self.host = settings.hostname
         self.on_serving = on_serving or (lambda queue, serving: None)
         self.on_stopped = on_stopped or (lambda: None)
+        # Told when a rank of an instance exits (exo_tasks.worker.ranks): ranks are not restarted.
+        self.on_rank_exit: RankExitCallback = lambda handle, exitcode, cause: None
         self.handles: dict[str, RunnerHandle] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
@@ -77,9 +80,15 @@ class RunnerSupervisor:
         threading.Thread(target=self._watch, name="runner-watch", daemon=True).start()
         threading.Thread(target=self._serve_requests, name="supervisor-inbox", daemon=True).start()
 
+    def add_rank(self, spec: runner_process.RunnerSpec) -> None:
+        """Start a rank of an instance: a runner like the others, for one start of it."""
+        with self._lock:
+            handle = self.handles[spec.runner_id] = RunnerHandle(spec)
+            self._spawn(handle)
+
     @property
     def models(self) -> list[str]:
-        return [h.spec.model for h in self.handles.values()]
+        return [h.spec.model for h in self.handles.values() if h.spec.rank is None]
 
     def _spawn(self, handle: RunnerHandle) -> None:
         spec = handle.spec.model_copy(update={"restarts": handle.restarts})
@@ -119,7 +128,7 @@ class RunnerSupervisor:
         self._check_stalls()
         if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
             self._drain_deadline = None
-            self._in_thread(self._stop_all, "hard")
+            in_thread(self._stop_all, "hard")
 
     def _check_stalls(self) -> None:
         for runner_id, handle in list(self.handles.items()):
@@ -133,8 +142,9 @@ class RunnerSupervisor:
                 # no grace before SIGTERM (then SIGKILL).
                 log.error("runner is hung; stopping it", extra={"runner": runner_id, "why": stall})
                 handle.stall = stall
-                self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {stall}")
-                self._in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
+                if handle.spec.rank is None:  # a rank's jobs fail with its instance's cause
+                    self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {stall}")
+                in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
 
     def _on_exit(self, handle: RunnerHandle) -> None:
         with self._lock:
@@ -147,7 +157,12 @@ class RunnerSupervisor:
             if process.exitcode is None:
                 return
             cause = exit_cause(process.exitcode)
-            if handle.stop is not None and handle.stall is None:
+            if handle.spec.rank is not None:
+                # Each start of a rank is a handle of its own: its instance decides what next.
+                self.handles = {k: h for k, h in self.handles.items() if h is not handle}
+                why = f"{handle.stall}; {cause}" if handle.stall else cause
+                in_thread(self.on_rank_exit, handle, process.exitcode, why)
+            elif handle.stop is not None and handle.stall is None:
                 self._record_stop(handle, handle.stop, cause)
             elif process.exitcode == runner_process.EXIT_UNLOADED:
                 # Idle, it unloaded its model: no restart; the next job asks for a start. A job
@@ -258,7 +273,7 @@ class RunnerSupervisor:
                 time.sleep(CONTROL_POLL_S)
                 continue
             if request is not None:
-                self._in_thread(self.handle_request, request)
+                in_thread(self.handle_request, request)
 
     def handle_request(self, request: SupervisorRequest) -> None:
         if request.runner_id not in self.handles:
@@ -373,7 +388,7 @@ class RunnerSupervisor:
         grace = self.settings.runner_shutdown_grace_s if warm else 1.0
         command = StopRunner(mode="warm" if warm else "hard", timeout_s=grace, requeue=True)
         threads = [
-            self._in_thread(self.stop_runner, runner_id, command, grace + 1.0)
+            in_thread(self.stop_runner, runner_id, command, grace + 1.0)
             for runner_id, handle in self.handles.items()
             if handle.process is not None
         ]
@@ -382,9 +397,3 @@ class RunnerSupervisor:
         if warm or not any(h.process for h in self.handles.values()):
             self._closing.set()
             self.on_stopped()
-
-    @staticmethod
-    def _in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        thread.start()
-        return thread

@@ -31,7 +31,12 @@ from exo_tasks.commands import (
 )
 from exo_tasks.errors import ExoError, RunnerGone
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
-from exo_tasks.naming import host_of_queue, runner_id_for
+from exo_tasks.naming import (
+    host_of_queue,
+    instance_of_queue,
+    instance_runner_id,
+    runner_id_for,
+)
 from exo_tasks.store import Store
 from exo_tasks.types import JobEnding, JobRecord, JobStatus, RequeuedEvent
 from exo_tasks.worker import task_states
@@ -119,7 +124,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     record holds the result; the task ends as the job did (task_states.finish)."""
     app = _app(self)
     store = app.store
-    runner_id = runner_id_for(model, app.settings.hostname)
+    runner_id = _runner_for(self, model, app.settings.hostname)
     extra = {"job_id": job_id, "runner": runner_id}
     prepared: Prepared | Skipped | None = None
     attempt: Attempt | None = None
@@ -152,6 +157,14 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         store.fail_job(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
         raise
+
+
+def _runner_for(task: Task[Any, Any], model: str, host: str) -> str:
+    """The runner a delivered job goes to: rank 0 of the instance whose queue it came from
+    (only the rank-0 host consumes it), else this host's runner for the model."""
+    routing_key = (task.request.delivery_info or {}).get("routing_key") or ""
+    instance_id = instance_of_queue(routing_key)
+    return instance_runner_id(instance_id, 0) if instance_id else runner_id_for(model, host)
 
 
 def _routed_here(task: Task[Any, Any], job: JobRecord) -> bool:

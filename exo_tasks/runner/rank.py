@@ -1,0 +1,170 @@
+"""A rank of an instance, in its runner process: the port it listens on, the ring of its
+instance's generation, its shard of the model, and, for every rank but 0, the loop that follows
+rank 0's schedule (`exo_tasks.runner.schedule`). Rank 0 runs the ordinary batching loop
+(`exo_tasks.runner.loop`) over a LeaderEngine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from exo_tasks import lifecycle
+from exo_tasks.fleet_types import RunnerStatus
+from exo_tasks.instances import FAILED, STARTING
+from exo_tasks.runner import ring
+from exo_tasks.runner.process import (
+    EXIT_CONFIG,
+    ConfigError,
+    Engine,
+    RunnerProgress,
+    RunnerSpec,
+    check_model_path,
+    rank_failure,
+)
+from exo_tasks.store import Store
+from exo_tasks.types import utcnow
+
+if TYPE_CHECKING:  # it imports MLX: loaded only once a rank builds its engine
+    from exo_tasks.runner.engine import BatchEngine
+
+log = logging.getLogger("exo_tasks.runner")
+ADDRESS_POLL_S = 0.2
+# Exit code of a rank whose start is no longer its instance's (another generation, or the
+# instance stopped before the ring formed): not a failure of its own.
+EXIT_STALE = 4
+# Exit code of a rank whose ring lost a peer: the instance failed elsewhere first.
+EXIT_PEER_LOST = 5
+
+
+class StaleStart(Exception):
+    """The instance moved on (another generation, or no longer Starting) while this rank waited
+    for its peers."""
+
+
+def join_ring(spec: RunnerSpec, store: Store) -> Any:
+    """Listen on a free port of the rank's address, publish it, wait for every rank of this
+    generation to publish theirs, and join the ring; the group."""
+    rank = spec.rank
+    assert rank is not None
+    port = ring.free_port(rank.address)
+    store.publish_address(rank.instance_id, rank.generation, rank.rank, rank.address, port)
+    while len(found := store.addresses(rank.instance_id, rank.generation)) < rank.world:
+        instance = store.get_instance(rank.instance_id)
+        if (
+            instance is None
+            or instance.generation != rank.generation
+            or instance.status != STARTING
+        ):
+            raise StaleStart(
+                f"instance {rank.instance_id} moved on from generation {rank.generation}"
+            )
+        time.sleep(ADDRESS_POLL_S)
+    endpoints = [found[r] for r in range(rank.world)]
+    log.info("joining the ring", extra={"rank": rank.rank, "endpoints": str(endpoints)})
+    return ring.join(rank.rank, endpoints)
+
+
+def load_shard(spec: RunnerSpec, group: Any) -> tuple[Any, Any]:
+    """The rank's shard of the model (mlx-lm's sharded_load reads only what the rank holds)
+    and its tokenizer."""
+    from mlx_lm.utils import sharded_load
+
+    assert spec.rank is not None
+    check_model_path(spec.model_path)
+    tensor = spec.rank.parallel == "tensor"
+    try:
+        model, tokenizer = sharded_load(
+            spec.model_path,
+            pipeline_group=None if tensor else group,
+            tensor_group=group if tensor else None,
+        )
+    except ValueError as exc:  # the model cannot be split so
+        raise ConfigError(f"the model cannot be split ({spec.rank.parallel}): {exc}") from exc
+    return model, tokenizer
+
+
+def build_engine(spec: RunnerSpec, model: Any, tokenizer: Any) -> BatchEngine:
+    """The rank's batching engine: one lane, so every rank runs its batch operations in one
+    fixed order (the lanes of a single-host engine step on threads of their own)."""
+    from exo_tasks.runner.engine import BatchEngine
+
+    return BatchEngine(
+        model,
+        tokenizer,
+        completion_batch_size=spec.completion_batch_size,
+        prefill_batch_size=spec.prefill_batch_size,
+        prefill_step_size=spec.prefill_step_size,
+        lanes=1,
+        prompt_cache_bytes=spec.prompt_cache_bytes,
+    )
+
+
+def load_leader(spec: RunnerSpec, store: Store) -> Engine:
+    """Rank 0's engine factory for the batching loop: the ring, the shard, a LeaderEngine."""
+    from exo_tasks.runner.schedule import Channel, LeaderEngine
+
+    group = join_ring(spec, store)
+    model, tokenizer = load_shard(spec, group)
+    return LeaderEngine(build_engine(spec, model, tokenizer), Channel(group))
+
+
+class Follower:
+    """A rank other than 0: it joins, loads its shard, then follows rank 0's plans until rank 0
+    closes the instance (exit 0). Its state is published as any runner's."""
+
+    def __init__(self, spec: RunnerSpec, progress: RunnerProgress, store: Store) -> None:
+        self.spec, self.progress, self.store = spec, progress, store
+        self.state = spec.first_state()
+
+    def publish(self, *statuses: RunnerStatus, error: str | None = None, **changes: Any) -> None:
+        """Each status in turn, as the runner statuses' table allows (exo_tasks.lifecycle)."""
+        for status in statuses:
+            moved = lifecycle.move_runner(
+                self.state, status, error=error, updated_at=utcnow(), **changes
+            )
+            if moved is not None:
+                self.state = moved
+                self.store.publish_runner(moved)
+
+    def run(self) -> int:
+        from exo_tasks.runner.schedule import Channel, follow, is_ring_error
+
+        self.publish(RunnerStatus.LOADING)
+        try:
+            group = join_ring(self.spec, self.store)
+            model, tokenizer = load_shard(self.spec, group)
+        except StaleStart as exc:
+            log.info("rank start abandoned", extra={"why": str(exc)})
+            return EXIT_STALE
+        except ConfigError as exc:
+            self.publish(RunnerStatus.FAILED, error=str(exc))
+            return EXIT_CONFIG
+        engine = build_engine(self.spec, model, tokenizer)
+        # It warms up when rank 0 does (the first plan): following is what it is ready for.
+        ready = (RunnerStatus.LOADED, RunnerStatus.WARMING_UP, RunnerStatus.READY)
+        self.publish(*ready, weights_bytes=engine.weights_bytes)
+        try:
+            follow(engine, Channel(group), self._stepped)
+        except Exception as exc:
+            log.exception("rank failed while following rank 0")
+            self.publish(RunnerStatus.FAILED, error=f"rank failed: {exc}")
+            return EXIT_PEER_LOST if is_ring_error(str(exc)) else 1
+        self.publish(RunnerStatus.SHUTTING_DOWN, RunnerStatus.SHUTDOWN)
+        log.info("rank stopped cleanly")
+        return 0
+
+    def _stepped(self, active: int, awaiting_first_token: int) -> None:
+        self.progress.record(
+            active=active, awaiting_first_token=awaiting_first_token, progressed=True
+        )
+
+
+def fail_instance(store: Store, spec: RunnerSpec, cause: str) -> None:
+    """Record that this rank's instance failed, naming this rank (if it had not failed yet)."""
+    assert spec.rank is not None
+    error = rank_failure(spec.rank.rank, spec.host, cause)
+    store.transition_instance(
+        spec.rank.instance_id, FAILED, error=error, generation=spec.rank.generation
+    )

@@ -1,0 +1,192 @@
+"""Faults and stops of an instance over two real workers (hosts a and b on one machine), with
+the default settings: a rank that dies (its runner, its worker, its host's heartbeat) takes the
+whole instance down within the decode stall limit + the kill escalation, every other rank
+stopped by its own supervisor, the instance Failed naming the rank, the host and the cause, its
+jobs failed with that cause; it starts again (a new generation) once all its hosts are live. A
+warm shutdown drains, then stops every rank; a hard one stops them at once; no rank process
+and no ring port survives either."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from config.settings import Settings
+from exo_tasks.instances import InstanceRecord, InstanceStatus
+from exo_tasks.recovery import HEARTBEAT_TTL_S
+from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
+from tests.support.instances import (
+    Pair,
+    listening,
+    pids_and_ports,
+    submit,
+    wait_gone,
+)
+from tests.support.processes import wait_until
+
+DEFAULTS = Settings(_env_file=None)
+# The bound for the ranks left behind: the decode stall limit + the kill escalation (a hung
+# rank gets no grace: SIGTERM, 5 s, SIGKILL, 5 s).
+STOP_BOUND_S = DEFAULTS.decode_timeout_s + TERM_WAIT_S + KILL_WAIT_S
+LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
+
+
+def running_job(pair: Pair) -> str:
+    job_id = submit(pair, **LONG)
+    wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    return job_id
+
+
+def assert_failed_with(pair: Pair, job_id: str, *causes: str) -> None:
+    record = pair.wait_status(InstanceStatus.FAILED, 30)
+    assert record.error is not None and all(c in record.error for c in causes), record.error
+    job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 30, "job")
+    assert job.status == "failed" and job.error is not None
+    assert all(c in job.error for c in causes), job.error
+
+
+def assert_nothing_left(pair: Pair, pids: list[int], ports: list[int]) -> None:
+    for pid in pids:
+        wait_gone(pid, STOP_BOUND_S, f"rank process {pid}")
+    wait_until(lambda: not any(listening(p) for p in ports), 5, "the ring ports closed")
+
+
+def test_sigkill_of_rank_1_stops_rank_0_and_fails_the_instance_naming_rank_1(pair: Pair) -> None:
+    before = pair.wait_ready()
+    job_id = running_job(pair)
+    pids, ports = pids_and_ports(before)
+    os.kill(pids[1], signal.SIGKILL)
+    took = wait_gone(pids[0], STOP_BOUND_S, "rank 0 stopped")
+    assert_failed_with(pair, job_id, "rank 1 on host b", "signal 9 SIGKILL")
+    assert_nothing_left(pair, pids, ports)
+    after = pair.wait_ready(before.generation)
+    assert after.generation > before.generation and took < STOP_BOUND_S
+
+
+def test_sigkill_of_rank_0_stops_rank_1_and_fails_the_instance_naming_rank_0(pair: Pair) -> None:
+    before = pair.wait_ready()
+    job_id = running_job(pair)
+    pids, ports = pids_and_ports(before)
+    os.kill(pids[0], signal.SIGKILL)
+    wait_gone(pids[1], STOP_BOUND_S, "rank 1 stopped")
+    assert_failed_with(pair, job_id, "rank 0 on host a", "signal 9 SIGKILL")
+    assert_nothing_left(pair, pids, ports)
+    pair.wait_ready(before.generation)
+
+
+def test_sigkill_of_a_rank_s_worker_fails_the_instance_until_the_host_is_back(
+    pair: Pair,
+) -> None:
+    before = pair.wait_ready()
+    job_id = running_job(pair)
+    pids, ports = pids_and_ports(before)
+    worker_b = pair.workers["b"].process
+    os.kill(worker_b.pid, signal.SIGKILL)
+    worker_b.wait(10)
+    wait_gone(pids[0], STOP_BOUND_S, "rank 0 stopped")
+    assert_failed_with(pair, job_id, "rank 1 on host b", f"worker (pid {worker_b.pid}) died")
+    assert_nothing_left(pair, pids, ports)
+    pair.restart_worker("b")
+    pair.wait_ready(before.generation)
+
+
+def freeze_host_b(pair: Pair) -> list[int]:
+    """Host b gone silent: its worker and its rank stopped, their sockets open (no end of
+    stream reaches rank 0, as when a host loses power). The pids to thaw."""
+    frozen = [pair.workers["b"].pid, pair.rank_pid(1)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    return frozen
+
+
+def thaw(pair: Pair, frozen: list[int], before: InstanceRecord) -> None:
+    for pid in frozen:
+        os.kill(pid, signal.SIGCONT)
+    wait_gone(frozen[1], STOP_BOUND_S, "rank 1 stopped once thawed")
+    pair.wait_ready(before.generation)
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["mid-job", "idle"])
+def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
+    pair: Pair, busy: bool
+) -> None:
+    """Mid-job, rank 0 stalls in a collective and its own supervisor stops it (the decode stall
+    limit + the kill escalation); idle, nothing stalls: host b's heartbeat expires, and rank 0
+    is stopped then (the heartbeat TTL + the kill escalation). Either way the instance names
+    host b, and so does the job that was running."""
+    before = pair.wait_ready()
+    job_id = running_job(pair) if busy else None
+    pids, _ = pids_and_ports(before)
+    frozen = freeze_host_b(pair)
+    try:
+        bound = STOP_BOUND_S if busy else HEARTBEAT_TTL_S + TERM_WAIT_S + KILL_WAIT_S
+        took = wait_gone(pids[0], bound, "rank 0 stopped")
+        record = pair.wait_status(InstanceStatus.FAILED, HEARTBEAT_TTL_S)
+        assert record.error == "rank 1 on host b: its host's heartbeat is gone", record.error
+        if job_id is not None:
+            job = wait_until(
+                lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 10, "job"
+            )
+            assert job.status == "failed" and job.error is not None
+            assert "rank 1 on host b: its host's heartbeat is gone" in job.error, job.error
+        assert took < bound
+    finally:
+        thaw(pair, frozen, before)
+
+
+def test_a_warm_shutdown_drains_then_stops_every_rank(pair: Pair) -> None:
+    before = pair.wait_ready()
+    job_id = submit(pair, prompt="drain me", max_tokens=300, ignore_eos=True)
+    wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    pids, ports = pids_and_ports(before)
+    pair.shut_down("warm")
+    record = pair.wait_status(InstanceStatus.SHUTDOWN, DEFAULTS.runner_shutdown_grace_s + 10)
+    job = pair.store.get_job(job_id)
+    assert job is not None and job.status == "succeeded" and job.usage.completion_tokens == 300
+    assert [r.status for r in record.ranks] == ["Shutdown", "Shutdown"], record.ranks
+    assert_nothing_left(pair, pids, ports)
+    pair.place_again()  # a new generation
+    pair.wait_ready(before.generation)
+
+
+def test_a_hard_shutdown_stops_every_rank_at_once(pair: Pair) -> None:
+    before = pair.wait_ready()
+    job_id = running_job(pair)
+    pids, ports = pids_and_ports(before)
+    started = time.monotonic()
+    pair.shut_down("hard")
+    for pid in pids:
+        wait_gone(pid, TERM_WAIT_S + KILL_WAIT_S, f"rank process {pid}")
+    took = time.monotonic() - started
+    pair.wait_status(InstanceStatus.SHUTDOWN, 10)
+    job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 10, "job")
+    assert job.status == "failed" and job.output.finish_reason == "shutdown", job
+    assert_nothing_left(pair, pids, ports)
+    assert took < TERM_WAIT_S + KILL_WAIT_S
+    pair.place_again()
+    pair.wait_ready(before.generation)
+
+
+def test_a_warm_worker_shutdown_drains_the_instance_then_stops_every_rank(pair: Pair) -> None:
+    """Worker b (rank 1) leaves warm: rank 0 finishes the job in flight, closes the ring, every
+    rank exits 0; the instance is Failed naming host b, and starts again once b is back."""
+    before = pair.wait_ready()
+    job_id = submit(pair, prompt="drain me", max_tokens=200, ignore_eos=True)
+    wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    pids, ports = pids_and_ports(before)
+    worker_b = pair.workers["b"].process
+    worker_b.send_signal(signal.SIGTERM)
+    worker_b.wait(DEFAULTS.runner_shutdown_grace_s + TERM_WAIT_S + KILL_WAIT_S)
+    job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 30, "job")
+    assert job.status == "succeeded" and job.usage.completion_tokens == 200, job
+    for pid in pids:
+        wait_gone(pid, 5, f"rank process {pid}")
+    record = pair.wait_status(InstanceStatus.FAILED, 10)
+    assert record.error == "rank 1 on host b: its worker stopped", record.error
+    assert [r.status for r in record.ranks] == ["Shutdown", "Shutdown"], record.ranks
+    assert_nothing_left(pair, pids, ports)
+    pair.restart_worker("b")
+    pair.wait_ready(before.generation)

@@ -1,0 +1,117 @@
+"""Rank 0's schedule shared with the other ranks (exo_tasks.runner.schedule), without a ring:
+a channel that hands rank 0's plans to a follower in memory, and engines that record what is
+done to them."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from exo_tasks.runner.lane import TokenDelta
+from exo_tasks.runner.schedule import (
+    AddJob,
+    Diverged,
+    LeaderEngine,
+    PeerLost,
+    RemoveJob,
+    StepPlan,
+    follow,
+)
+from exo_tasks.types import SamplingParams
+
+
+class Recorder:
+    """An engine that records its calls; each step ends the jobs named in `ending`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.ending: list[str] = []
+        self.active_jobs = 0
+        self.weights_bytes = 1
+
+    def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:
+        self.calls.append(("add", job_id, prompt_tokens, params.seed))
+
+    def remove(self, job_id: str) -> None:
+        self.calls.append(("remove", job_id))
+
+    def step(self) -> list[TokenDelta]:
+        self.calls.append(("step",))
+        return [TokenDelta(job_id, "x", 1, "length") for job_id in self.ending]
+
+    def warmup(self) -> None:
+        self.calls.append(("warmup",))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+class Wire:
+    """Plans as JSON, in order, as the ring carries them."""
+
+    def __init__(self, fail_with: str | None = None) -> None:
+        self.plans: list[str] = []
+        self.fail_with = fail_with
+
+    def send(self, plan: StepPlan) -> None:
+        if self.fail_with:
+            raise RuntimeError(self.fail_with)
+        self.plans.append(plan.model_dump_json())
+
+    def receive(self) -> StepPlan:
+        return StepPlan.model_validate_json(self.plans.pop(0))
+
+
+def leader(wire: Wire) -> tuple[LeaderEngine, Recorder]:
+    engine = Recorder()
+    return LeaderEngine(cast(Any, engine), cast(Any, wire)), engine
+
+
+def test_a_follower_runs_rank_0_s_operations_in_its_order_with_the_same_seeds() -> None:
+    wire = Wire()
+    lead, engine = leader(wire)
+    lead.warmup()
+    lead.add("a", [1, 2], SamplingParams())
+    lead.add("b", [3], SamplingParams.model_validate({"temperature": 0.7}))
+    lead.step()
+    lead.remove("a")
+    lead.add("c", [4], SamplingParams.model_validate({"temperature": 0.7, "seed": 9}))
+    lead.step()
+    lead.close()
+    follower = Recorder()
+    steps: list[tuple[int, int]] = []
+    follow(cast(Any, follower), cast(Any, wire), lambda *counts: steps.append(counts))
+    assert follower.calls == engine.calls
+    seeds = {call[1]: call[3] for call in engine.calls if call[0] == "add"}
+    assert seeds["a"] is None  # greedy: nothing to draw
+    assert isinstance(seeds["b"], int) and seeds["c"] == 9  # every sampled job has a seed
+    assert len(steps) == 3 and not wire.plans  # warmup and two steps; close ends the loop
+
+
+def test_a_follower_that_ended_other_jobs_than_rank_0_fails() -> None:
+    wire = Wire()
+    lead, engine = leader(wire)
+    lead.add("a", [1], SamplingParams())
+    engine.ending = ["a"]
+    lead.step()
+    lead.step()  # carries rank 0's ending of "a"
+    follower = Recorder()  # it ends nothing
+    with pytest.raises(Diverged, match="rank 0 ended"):
+        follow(cast(Any, follower), cast(Any, wire), lambda *_: None)
+
+
+def test_a_lost_ring_peer_is_peer_lost_not_a_crash_of_the_loop() -> None:
+    lead, _ = leader(Wire(fail_with="[ring] connection to a peer was lost"))
+    with pytest.raises(PeerLost):
+        lead.step()
+    assert not issubclass(PeerLost, Exception)  # the loop's `except Exception` lets it pass
+    other, _ = leader(Wire(fail_with="some other error"))
+    with pytest.raises(RuntimeError, match="some other error"):
+        other.step()
+
+
+def test_plans_carry_only_what_the_engine_uses() -> None:
+    plan = StepPlan(ops=[AddJob(job_id="a", prompt_tokens=[1], params=SamplingParams())])
+    plan.ops.append(RemoveJob(job_id="a"))
+    assert StepPlan.model_validate_json(plan.model_dump_json()) == plan
