@@ -98,9 +98,9 @@ def test_jobs_shows_a_running_jobs_tokens_against_its_maximum_and_why_jobs_ended
     stack: Stack,
 ) -> None:
     running = stack.api.submit(**LONG)
-    # One token per character with the tiny model: over EXO_MAX_PROMPT_TOKENS (8192), which
-    # only the runner counts.
-    failed = stack.api.submit(prompt="a" * 9000, max_tokens=4)
+    # Under EXO_MAX_PROMPT_TOKENS (8192) at the API's door, over it after the chat template,
+    # which only the runner applies: the job fails there, with an error to show.
+    failed = stack.api.submit(messages=[{"role": "user", "content": "a" * 8_190}], max_tokens=4)
     try:
         wait_tokens(stack, running)
         row = {r[0]: r for r in rows(exo_tasks(stack.api, "jobs", "--status", "running").stdout)}
