@@ -11,7 +11,8 @@ from pydantic import TypeAdapter, ValidationError
 from exo_tasks import lifecycle
 from exo_tasks.commands import RunnerCommand, SubmitJob
 from exo_tasks.fleet_types import RunnerState, StatusChange
-from exo_tasks.store.jobs import JobRecords, leave_waiting
+from exo_tasks.store.job_scripts import leave_waiting
+from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
     RUNNERS,
     job_key,
