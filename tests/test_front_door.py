@@ -215,8 +215,10 @@ def streaming_api(
     return api
 
 
-def streamed_completion(prompt: str) -> bytes:
-    body = json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True})
+def streamed_completion(prompt: str, user: str | None = None) -> bytes:
+    # A crowd is many users: one client past EXO_MAX_QUEUED_JOBS_PER_CLIENT would be refused.
+    users = {"user": user} if user else {}
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True, **users})
     return (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n{body}"
@@ -233,7 +235,6 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
     """A streamed completion's first byte goes out before its job is submitted; in a burst,
     its job also waits for the burst's last first byte (exo_tasks/api/arrivals.py), so that
     the runner the first jobs start does not take the CPU from the streams still waiting."""
-    request = streamed_completion("one of a crowd")
     with ExitStack() as open_streams:
         socks = [
             open_streams.enter_context(
@@ -243,8 +244,8 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
         ]
 
         def crowd() -> None:  # a request every SPACING_S: the API is never idle for long
-            for sock in socks:
-                sock.sendall(request)
+            for n, sock in enumerate(socks):
+                sock.sendall(streamed_completion("one of a crowd", user=f"crowd-{n}"))
                 time.sleep(SPACING_S)
 
         sender = threading.Thread(target=crowd)

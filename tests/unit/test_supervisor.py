@@ -226,7 +226,7 @@ class TestEscalation:
         clock: FakeClock,
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        monkeypatch.setattr(supervisor, "_in_thread", lambda target, *args: target(*args))
+        monkeypatch.setattr(supervisor_module, "in_thread", lambda target, *args: target(*args))
         running(host).obeys = False
         handle = supervisor.handles[RUNNER_ID]
         silent_since = time.monotonic() - supervisor.settings.prefill_timeout_s - 1
