@@ -41,7 +41,7 @@ from exo_tasks.instances import (
 from exo_tasks.naming import find_model, instance_queue, instance_runner_id, model_slug
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.runner.process import RunnerSpec, rank_failure
-from exo_tasks.store import Store
+from exo_tasks.store import Store, redis_waits
 from exo_tasks.types import utcnow
 from exo_tasks.worker.supervision import RunnerHandle, exit_cause, in_thread
 from exo_tasks.worker.supervisor import RunnerSupervisor
@@ -87,8 +87,11 @@ class RankKeeper:
         while not self._closing.wait(KEEP_INTERVAL_S):
             try:
                 self.keep_once()
-            except Exception:  # Redis down, say: the keeper must outlive it
-                log.exception("keeping the ranks failed; retrying")
+            except Exception as exc:  # the keeper must outlive any round
+                if redis_waits(exc):  # a line, not a traceback twice a second, while it lasts
+                    log.warning("keeping the ranks not done; retrying", extra={"error": str(exc)})
+                else:
+                    log.exception("keeping the ranks failed; retrying")
 
     def keep_once(self) -> None:
         instances = [i for i in self.store.list_instances() if self.host in i.hosts]
