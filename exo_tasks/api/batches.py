@@ -11,8 +11,9 @@ from flask import Blueprint, Response, jsonify
 from exo_tasks.api.context import ctx
 from exo_tasks.api.files import page_args
 from exo_tasks.api.http import json_body
+from exo_tasks.batch import lifecycle as batch_lifecycle
 from exo_tasks.batch.jobs import cancel_inflight
-from exo_tasks.batch.types import Batch, BatchCreate, BatchList, window_seconds
+from exo_tasks.batch.types import Batch, BatchCreate, BatchList, BatchStatus, window_seconds
 from exo_tasks.errors import Conflict, InvalidRequest, NotFound
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")
@@ -69,12 +70,10 @@ def cancel_batch(batch_id: str) -> Response:
     batch = _batch_or_404(batch_id)
     if batch.ended:
         raise Conflict(f"batch '{batch_id}' is already {batch.status}", {"status": batch.status})
-    if batch.status != "cancelling":
-        update = {"status": "cancelling", "cancelling_at": int(time.time())}
-        cancelling = batch.model_copy(update=update)
-        if not context.store.move_batch(cancelling, "validating", "in_progress"):
+    if batch.status != BatchStatus.CANCELLING:
+        if not context.store.move_batch(batch_lifecycle.cancel(batch, int(time.time()))):
             batch = _batch_or_404(batch_id)
-            if batch.status != "cancelling":
+            if batch.status != BatchStatus.CANCELLING:
                 raise Conflict(f"batch '{batch_id}' is {batch.status}", {"status": batch.status})
         cancel_inflight(context.store, batch)
     return jsonify(_batch_or_404(batch_id).model_dump(mode="json"))

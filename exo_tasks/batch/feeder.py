@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from exo_tasks import fairness, jobs, json_input, metrics
 from exo_tasks.batch import input as batch_input
+from exo_tasks.batch import lifecycle as batch_lifecycle
 from exo_tasks.batch.jobs import cancel_inflight, line_job_id
 from exo_tasks.batch.results import ENDPOINTS, LineResults, succeeded
 from exo_tasks.batch.types import (
@@ -147,7 +148,7 @@ class BatchFeeder:
     def _advance(self, batch: Batch, room: Room) -> bool:
         """Validate the batch, or collect its lines that ended and end it if it is done;
         True if it takes more lines. Its jobs in flight are taken from the room."""
-        if batch.status == "validating":
+        if batch.status == BatchStatus.VALIDATING:
             self.validate(batch)
             return False
         if not self.store.file_exists(batch.input_file_id):
@@ -181,13 +182,14 @@ class BatchFeeder:
         now = int(time.time())
         if checked.errors:
             errors = BatchErrors(data=checked.errors)
-            update = {"status": "failed", "failed_at": now, "errors": errors}
-            self.store.close_batch(batch.model_copy(update=update), "validating")
+            self.store.close_batch(
+                batch_lifecycle.move(batch, BatchStatus.FAILED, now, errors=errors)
+            )
             return
         self.store.set_spans(batch.id, checked.spans)
         counts = RequestCounts(total=len(checked.spans))
-        update = {"status": "in_progress", "in_progress_at": now, "request_counts": counts}
-        self.store.move_batch(batch.model_copy(update=update), "validating")
+        started = batch_lifecycle.move(batch, BatchStatus.IN_PROGRESS, now, request_counts=counts)
+        self.store.move_batch(started)
 
     # --- collecting the jobs that ended ---
 
@@ -210,14 +212,14 @@ class BatchFeeder:
         self, batch: Batch, ended: list[tuple[int, JobRecord | None]]
     ) -> list[tuple[int, ResultLine]]:
         raws = self.store.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
-        cut = "expired" if self._expired(batch) else batch.status
+        cut = BatchStatus.EXPIRED if self._expired(batch) else batch.status
         return [
             (line, self._ended_line(batch, line, batch_input.custom_id_of(raw, line), job, cut))
             for (line, job), raw in zip(ended, raws, strict=True)
         ]
 
     def _ended_line(
-        self, batch: Batch, line: int, custom_id: str, job: JobRecord | None, cut: str
+        self, batch: Batch, line: int, custom_id: str, job: JobRecord | None, cut: BatchStatus
     ) -> ResultLine:
         if job is None:  # its record expired (EXO_JOB_TTL_S) before it was collected
             error = ExoError(f"the request's job {line_job_id(batch.id, line)} is gone")
@@ -300,21 +302,22 @@ class BatchFeeder:
     # --- ending ---
 
     def _expired(self, batch: Batch) -> bool:
-        return batch.status == "in_progress" and time.time() >= batch.expires_at
+        return batch.status == BatchStatus.IN_PROGRESS and time.time() >= batch.expires_at
 
     def _ended(self, batch: Batch, still: list[JobStatus]) -> bool:
         """End the batch if it is done, cancelled or past its window (its jobs in flight
         cancelled first); True if it takes no more lines."""
-        stopping = batch.status == "cancelling" or self._expired(batch)
+        stopping = batch.status == BatchStatus.CANCELLING or self._expired(batch)
         if stopping and still:
             self._cancel_inflight(batch)
             return True
         if stopping:
-            self._end(batch, "expired" if batch.status == "in_progress" else "cancelled")
+            expired = batch.status == BatchStatus.IN_PROGRESS
+            self._end(batch, BatchStatus.EXPIRED if expired else BatchStatus.CANCELLED)
             return True
         done = self.store.cursor(batch.id) >= batch.request_counts.total
-        if batch.status == "finalizing" or (done and not still):
-            self._end(batch, "completed")
+        if batch.status == BatchStatus.FINALIZING or (done and not still):
+            self._end(batch, BatchStatus.COMPLETED)
             return True
         return False
 
@@ -326,19 +329,19 @@ class BatchFeeder:
 
     def _end(self, batch: Batch, status: BatchStatus) -> None:
         now = int(time.time())
-        previous: BatchStatus = batch.status
-        if status == "completed" and batch.status == "in_progress":
-            finalizing = batch.model_copy(update={"status": "finalizing", "finalizing_at": now})
-            if not self.store.move_batch(finalizing, "in_progress"):
+        if status == BatchStatus.COMPLETED and batch.status == BatchStatus.IN_PROGRESS:
+            finalizing = batch_lifecycle.move(batch, BatchStatus.FINALIZING, now)
+            if not self.store.move_batch(finalizing):
                 return  # cancelled meanwhile: the next tick ends it so
-            batch, previous = finalizing, "finalizing"
-        self._cut_short_the_rest(batch, "expired" if status == "expired" else "cancelling")
-        update = {"status": status, f"{status}_at": now, **self._result_files(batch, now)}
+            batch = finalizing.batch
+        expired = status == BatchStatus.EXPIRED
+        self._cut_short_the_rest(batch, BatchStatus.EXPIRED if expired else BatchStatus.CANCELLING)
+        ended = batch_lifecycle.move(batch, status, now, **self._result_files(batch, now))
         self._cancelled_at.pop(batch.id, None)
-        if self.store.close_batch(batch.model_copy(update=update), previous):
+        if self.store.close_batch(ended):
             log.info("batch ended", extra={"batch_id": batch.id, "status": status})
 
-    def _cut_short_the_rest(self, batch: Batch, cut: str) -> None:
+    def _cut_short_the_rest(self, batch: Batch, cut: BatchStatus) -> None:
         """Every line without a result (never sent) gets one saying why it never ran."""
         have = self.store.lines_with_results(batch.id)
         missing = [line for line in range(batch.request_counts.total) if line not in have]
@@ -359,14 +362,12 @@ class BatchFeeder:
         (never reading its input again: it may be what failed); its jobs in flight cancelled."""
         cancel_inflight(self.store, batch)
         now = int(time.time())
-        update = {
-            "status": "failed",
-            "failed_at": now,
-            "errors": BatchErrors(data=[BatchError(code="batch_failed", message=reason)]),
-            **self._result_files(batch, now),
-        }
+        errors = BatchErrors(data=[BatchError(code="batch_failed", message=reason)])
+        failed = batch_lifecycle.move(
+            batch, BatchStatus.FAILED, now, errors=errors, **self._result_files(batch, now)
+        )
         self._cancelled_at.pop(batch.id, None)
-        if self.store.close_batch(batch.model_copy(update=update), batch.status):
+        if self.store.close_batch(failed):
             log.warning("batch failed", extra={"batch_id": batch.id, "error": reason})
 
     def _result_files(self, batch: Batch, now: int) -> dict[str, object]:

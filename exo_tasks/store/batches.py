@@ -8,7 +8,8 @@ killed goes over the same line again, the line has one result and is counted onc
 
 from __future__ import annotations
 
-from exo_tasks.batch.types import Batch, BatchStatus, RequestCounts
+from exo_tasks.batch.lifecycle import BatchMove
+from exo_tasks.batch.types import Batch, RequestCounts
 from exo_tasks.store.client import RedisPart
 from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key, job_key
 from exo_tasks.types import JobRecord
@@ -70,10 +71,10 @@ class BatchRecords(RedisPart):
         ids, more = page
         return [b for b in (self.get_batch(i) for i in ids) if b is not None], more
 
-    def move_batch(self, batch: Batch, *allowed_from: BatchStatus) -> bool:
-        """Store `batch` if its stored status is one of `allowed_from` (compare-and-set: the
-        API's cancel and the feeder never overwrite each other)."""
-        args = [batch.status, batch.model_dump_json(), *allowed_from]
+    def move_batch(self, move: BatchMove) -> bool:
+        """Execute one of exo_tasks.batch.lifecycle's moves; whether it was written."""
+        batch = move.batch
+        args = [batch.status, batch.model_dump_json(), *move.allowed_from]
         return bool(self.script(MOVE)(keys=[batch_key(batch.id)], args=args))
 
     def open_batches(self) -> list[str]:
@@ -154,12 +155,13 @@ class BatchRecords(RedisPart):
         ordered = [stored[k] for k in sorted(stored, key=int)]
         return [r[1:] for r in ordered if r[0] == OK], [r[1:] for r in ordered if r[0] == FAILED]
 
-    def close_batch(self, batch: Batch, ended_from: BatchStatus) -> bool:
-        """Store the ended batch (from `ended_from`), and drop what its feeder kept."""
-        if not self.move_batch(batch, ended_from):
+    def close_batch(self, move: BatchMove) -> bool:
+        """Execute a move that ends the batch, and drop what its feeder kept."""
+        if not self.move_batch(move):
             return False
+        batch_id = move.batch.id
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(*(batch_key(batch.id, part) for part in ("spans", "inflight", "results")))
-        pipe.srem(BATCHES_OPEN, batch.id)
+        pipe.delete(*(batch_key(batch_id, part) for part in ("spans", "inflight", "results")))
+        pipe.srem(BATCHES_OPEN, batch_id)
         pipe.execute()
         return True
