@@ -11,8 +11,7 @@ from __future__ import annotations
 from exo_tasks.batch.lifecycle import BatchMove
 from exo_tasks.batch.types import Batch, RequestCounts
 from exo_tasks.store.client import RedisPart
-from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key, job_key
-from exo_tasks.types import JobRecord
+from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key
 
 # KEYS: batch hash. ARGV: new status, record, then the statuses it may move from.
 MOVE = """
@@ -38,7 +37,7 @@ SPANS_PER_PUSH = 5000
 
 
 class BatchRecords(RedisPart):
-    def create_batch(self, batch: Batch) -> None:
+    def create(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=True)
         record = {"status": batch.status, "record": batch.model_dump_json()}
         pipe.hset(batch_key(batch.id), mapping=record)
@@ -46,7 +45,7 @@ class BatchRecords(RedisPart):
         pipe.sadd(BATCHES_OPEN, batch.id)
         pipe.execute()
 
-    def get_batch(self, batch_id: str) -> Batch | None:
+    def get(self, batch_id: str) -> Batch | None:
         """The batch, its request counts as they are now."""
         record, completed, failed = self.redis.hmget(
             batch_key(batch_id), "record", "completed", "failed"
@@ -63,32 +62,32 @@ class BatchRecords(RedisPart):
             batch = batch.model_copy(update={"request_counts": counts})
         return batch
 
-    def list_batches(self, after: str | None, limit: int) -> tuple[list[Batch], bool] | None:
+    def page(self, after: str | None, limit: int) -> tuple[list[Batch], bool] | None:
         """Batches newest first, from the one after `after`; whether more follow."""
         page = self.newest_after(BATCHES, after, limit)
         if page is None:
             return None
         ids, more = page
-        return [b for b in (self.get_batch(i) for i in ids) if b is not None], more
+        return [b for b in (self.get(i) for i in ids) if b is not None], more
 
-    def move_batch(self, move: BatchMove) -> bool:
+    def move(self, move: BatchMove) -> bool:
         """Execute one of exo_tasks.batch.lifecycle's moves; whether it was written."""
         batch = move.batch
         args = [batch.status, batch.model_dump_json(), *move.allowed_from]
         return bool(self.script(MOVE)(keys=[batch_key(batch.id)], args=args))
 
-    def open_batches(self) -> list[str]:
+    def open_ids(self) -> list[str]:
         """The batches not yet ended, oldest first."""
         ids = self.redis.smembers(BATCHES_OPEN)
         scores = self.redis.zmscore(BATCHES, list(ids)) if ids else []
         return [i for _, i in sorted(zip((s or 0 for s in scores), ids, strict=True))]
 
-    def open_batch_reading(self, file_id: str) -> Batch | None:
+    def open_reading(self, file_id: str) -> Batch | None:
         """A batch not yet ended whose input is the file, if any."""
-        batches = (self.get_batch(batch_id) for batch_id in self.open_batches())
+        batches = (self.get(batch_id) for batch_id in self.open_ids())
         return next((b for b in batches if b and b.input_file_id == file_id and not b.ended), None)
 
-    def open_batch_count(self) -> int:
+    def open_count(self) -> int:
         return int(self.redis.scard(BATCHES_OPEN))
 
     # --- the feeder's parts ---
@@ -126,13 +125,6 @@ class BatchRecords(RedisPart):
         pipe.hset(batch_key(batch_id), "cursor", cursor)
         pipe.execute()
 
-    def job_records(self, job_ids: list[str]) -> list[JobRecord | None]:
-        """Jobs' records in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hget(job_key(job_id), "record")
-        return [JobRecord.model_validate_json(raw) if raw else None for raw in pipe.execute()]
-
     def inflight(self, batch_id: str) -> list[int]:
         return sorted(int(i) for i in self.redis.smembers(batch_key(batch_id, "inflight")))
 
@@ -155,9 +147,9 @@ class BatchRecords(RedisPart):
         ordered = [stored[k] for k in sorted(stored, key=int)]
         return [r[1:] for r in ordered if r[0] == OK], [r[1:] for r in ordered if r[0] == FAILED]
 
-    def close_batch(self, move: BatchMove) -> bool:
+    def close(self, move: BatchMove) -> bool:
         """Execute a move that ends the batch, and drop what its feeder kept."""
-        if not self.move_batch(move):
+        if not self.move(move):
             return False
         batch_id = move.batch.id
         pipe = self.redis.pipeline(transaction=True)

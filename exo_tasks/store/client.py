@@ -35,14 +35,13 @@ def redis_waits(exc: BaseException) -> bool:
 
 
 class RedisPart:
-    """What every part of the store holds: the client and the job keys' expiry."""
+    """What every part of the store holds: the client the parts share, and its scripts."""
 
-    def __init__(self, client: redis.Redis, *, job_ttl_s: int = 24 * 3600) -> None:
+    def __init__(self, client: redis.Redis) -> None:
         # Any: redis-py 8's annotations are not generic over decode_responses (every reply is
         # typed `bytes | str`, every pipeline reply Any), so a typed client would be a cast
         # per call; the store's methods are typed instead.
         self.redis: Any = client
-        self.job_ttl_s = job_ttl_s
         self._scripts: dict[str, Any] = {}
 
     def script(self, text: str) -> Any:

@@ -64,19 +64,19 @@ return 1
 class HostRecords(RedisPart):
     """Live hosts, the recovery lease and supervisor inboxes."""
 
-    def publish_host(self, state: HostState, ttl_s: float) -> None:
+    def publish(self, state: HostState, ttl_s: float) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(host_key(state.name), state.model_dump_json(), px=int(ttl_s * 1000))
         pipe.sadd(HOSTS, state.name)
         pipe.execute()
 
-    def remove_host(self, host: str) -> None:
+    def remove(self, host: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(host_key(host))
         pipe.srem(HOSTS, host)
         pipe.execute()
 
-    def get_host(self, host: str) -> HostState | None:
+    def get(self, host: str) -> HostState | None:
         raw = self.redis.get(host_key(host))
         return HostState.model_validate_json(raw) if raw else None
 
@@ -85,7 +85,7 @@ class HostRecords(RedisPart):
         before owners existed counts as held."""
         if job.owner is None or job.host is None:
             return True
-        host = self.get_host(job.host)
+        host = self.get(job.host)
         return host is not None and host.incarnation == job.owner
 
     def hold_lease(self, holder: str, ttl_s: float, key: str = RECOVERY_LEASE) -> bool:

@@ -58,7 +58,7 @@ return 1
 class InstanceRecords(RedisPart):
     """Instances, their ranks and their ranks' addresses."""
 
-    def place_instance(self, record: InstanceRecord) -> tuple[InstanceRecord, bool]:
+    def place(self, record: InstanceRecord) -> tuple[InstanceRecord, bool]:
         """Create `record` (Pending), or find the instance of that id: one that has stopped
         (Shutdown or Failed) is placed again (Pending, its next generation); a live one is
         returned as it is. Whether this call created or restarted it, with the record now."""
@@ -67,17 +67,17 @@ class InstanceRecords(RedisPart):
             args = [record.model_dump_json(), record.status, record.generation, record.id]
             if self.script(CREATE)(keys=keys, args=args):
                 return record, True
-            existing = self.get_instance(record.id)
+            existing = self.get(record.id)
             if existing is None:  # removed meanwhile: create it again
                 continue
             if not existing.status.is_final:
                 return existing, False
             restart = move(existing, PENDING)
-            if self.apply_instance_move(restart):
+            if self.apply(restart):
                 return restart.record, True
         raise RuntimeError(f"instance '{record.id}' kept changing while it was placed")
 
-    def apply_instance_move(self, instance_move: InstanceMove) -> bool:
+    def apply(self, instance_move: InstanceMove) -> bool:
         """Write the move if the stored instance still allows it (its status and generation)."""
         record = instance_move.record
         keys = [
@@ -94,7 +94,7 @@ class InstanceRecords(RedisPart):
         ]
         return bool(self.script(TRANSITION)(keys=keys, args=args))
 
-    def transition_instance(
+    def transition(
         self,
         instance_id: str,
         to: InstanceStatus,
@@ -105,22 +105,22 @@ class InstanceRecords(RedisPart):
         """Move the instance to `to` from its status now, if the table allows it (and, with
         `generation`, only while it is of that generation); the record written, or None
         (unknown, not allowed, or moved by another writer meanwhile)."""
-        current = self.get_instance(instance_id)
+        current = self.get(instance_id)
         if current is None or not may_move(current.status, to):
             return None
         if generation is not None and current.generation != generation:
             return None
         instance_move = move(current, to, error=error)
-        return instance_move.record if self.apply_instance_move(instance_move) else None
+        return instance_move.record if self.apply(instance_move) else None
 
-    def get_instance(self, instance_id: str) -> InstanceRecord | None:
+    def get(self, instance_id: str) -> InstanceRecord | None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hget(instance_key(instance_id), "record")
         pipe.hgetall(instance_key(instance_id, "ranks"))
         raw, ranks = pipe.execute()
         return _with_ranks(raw, ranks) if raw else None
 
-    def list_instances(self) -> list[InstanceRecord]:
+    def all(self) -> list[InstanceRecord]:
         """Every instance, by id."""
         ids = sorted(self.redis.smembers(INSTANCES))
         pipe = self.redis.pipeline(transaction=False)
@@ -161,7 +161,7 @@ class InstanceRecords(RedisPart):
             found[int(rank)] = (address, int(port))
         return found
 
-    def remove_instance(self, instance_id: str) -> None:
+    def remove(self, instance_id: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(
             instance_key(instance_id),
