@@ -10,20 +10,19 @@ from __future__ import annotations
 
 from exo_tasks.batch.lifecycle import BatchMove
 from exo_tasks.batch.types import Batch, RequestCounts
-from exo_tasks.store.client import RedisPart
+from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
 from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key
 
-# KEYS: batch hash. ARGV: new status, record, then the statuses it may move from.
-MOVE = """
-local current = redis.call('HGET', KEYS[1], 'status')
-for i = 3, #ARGV do
-  if current == ARGV[i] then
-    redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
-    return 1
-  end
-end
-return 0
+# KEYS: batch hash. Arguments (NAMED_ARGS): `status`, the new one; `record`; `allowed_from`,
+# the statuses it may move from (`one_set`).
+MOVE = (
+    NAMED_ARGS
+    + """
+if not one_of(redis.call('HGET', KEYS[1], 'status'), a.allowed_from) then return 0 end
+redis.call('HSET', KEYS[1], 'status', a.status, 'record', a.record)
+return 1
 """
+)
 
 # KEYS: results hash, batch hash, inflight set. ARGV: line, result, counter field.
 RESULT = """
@@ -73,7 +72,11 @@ class BatchRecords(RedisPart):
     def move(self, move: BatchMove) -> bool:
         """Execute one of exo_tasks.batch.lifecycle's moves; whether it was written."""
         batch = move.batch
-        args = [batch.status, batch.model_dump_json(), *move.allowed_from]
+        args = named(
+            status=batch.status,
+            record=batch.model_dump_json(),
+            allowed_from=one_set(move.allowed_from),
+        )
         return bool(self.script(MOVE)(keys=[batch_key(batch.id)], args=args))
 
     def open_ids(self) -> list[str]:

@@ -3,6 +3,7 @@ out (exo_tasks.errors reads an out-of-memory reply)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -32,6 +33,30 @@ def redis_waits(exc: BaseException) -> bool:
     """Redis is unreachable, or full (it refuses writes until keys expire): the writer keeps
     what it owes Redis and tries again, rather than failing its jobs."""
     return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or is_out_of_memory(exc)
+
+
+# The head of every script that takes its arguments by name (`named`): ARGV read into the table
+# `a`, and `one_of`, whether a value (false: a field that is not there) is in a set that
+# `one_set` passed.
+NAMED_ARGS = """
+local a = {}
+for i = 1, #ARGV, 2 do a[ARGV[i]] = ARGV[i + 1] end
+local function one_of(value, set)
+  return value and string.find(' ' .. set .. ' ', ' ' .. value .. ' ', 1, true) ~= nil
+end
+"""
+Arg = str | int | float
+
+
+def named(**args: Arg) -> list[Arg]:
+    """A script's arguments by name, for a script that begins with NAMED_ARGS."""
+    return [item for pair in args.items() for item in pair]
+
+
+def one_set(values: Iterable[object]) -> str:
+    """A set of words (statuses, numbers) as one argument, for `one_of` or a script's own
+    `gmatch` (no word has a space)."""
+    return " ".join(map(str, values))
 
 
 class RedisPart:

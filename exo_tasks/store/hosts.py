@@ -38,7 +38,7 @@ return {hosts, runners}
 """
 
 
-# KEYS: live hosts. ARGV: host key prefix, milliseconds, host, then prefix keys. Sets each
+# KEYS: live hosts, then prefix keys. ARGV: host key prefix, milliseconds, host. Sets each
 # prefix key to the host, only where another host is live too: a lone host has no choice to
 # make, and writes nothing for each job.
 REMEMBER_PREFIXES = """
@@ -47,7 +47,7 @@ for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   live = live + redis.call('EXISTS', ARGV[1] .. name)
 end
 if live < 2 then return 0 end
-for i = 4, #ARGV do redis.call('SET', ARGV[i], ARGV[3], 'PX', ARGV[2]) end
+for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[3], 'PX', ARGV[2]) end
 return 1
 """
 
@@ -105,9 +105,8 @@ class HostRecords(RedisPart):
     def remember_prefixes(self, model: str, digests: list[str], host: str, ttl_s: float) -> None:
         """`host` ran these prompt prefixes of `model` (exo_tasks.prefix_routing): each entry of
         the map says so for `ttl_s`, if two hosts or more are live."""
-        args = [host_key(""), int(ttl_s * 1000), host]
-        args += [prefix_key(model, digest) for digest in digests]
-        self.script(REMEMBER_PREFIXES)(keys=[HOSTS], args=args)
+        keys = [HOSTS, *(prefix_key(model, digest) for digest in digests)]
+        self.script(REMEMBER_PREFIXES)(keys=keys, args=[host_key(""), int(ttl_s * 1000), host])
 
     def prefix_hosts(self, model: str, digests: list[str]) -> list[str | None]:
         """The host that ran each of these prompt prefixes of `model` lately, or None."""

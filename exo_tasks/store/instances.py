@@ -14,7 +14,7 @@ from exo_tasks.instances import (
     may_move,
     move,
 )
-from exo_tasks.store.client import RedisPart
+from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
 from exo_tasks.store.keys import INSTANCES, instance_key
 
 # How often place() looks again when another writer moved the instance between its read and
@@ -30,21 +30,20 @@ redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """
 
-# KEYS: the instance's hash, its ranks, its addresses. ARGV: record, status, generation, the
-# generation it was made from, then the statuses it may move from. A new generation starts
-# with no rank records and no addresses.
-TRANSITION = """
-if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[4] then return 0 end
-local current = redis.call('HGET', KEYS[1], 'status')
-local allowed = false
-for i = 5, #ARGV do
-  if current == ARGV[i] then allowed = true end
-end
-if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'record', ARGV[1], 'status', ARGV[2], 'generation', ARGV[3])
-if ARGV[3] ~= ARGV[4] then redis.call('DEL', KEYS[2], KEYS[3]) end
+# KEYS: the instance's hash, its ranks, its addresses. Arguments (NAMED_ARGS): `record`,
+# `status`, `generation`; `from_generation`, the one it was made from; `allowed_from`, the
+# statuses it may move from (`one_set`). A new generation starts with no rank records and no
+# addresses.
+TRANSITION = (
+    NAMED_ARGS
+    + """
+if redis.call('HGET', KEYS[1], 'generation') ~= a.from_generation then return 0 end
+if not one_of(redis.call('HGET', KEYS[1], 'status'), a.allowed_from) then return 0 end
+redis.call('HSET', KEYS[1], 'record', a.record, 'status', a.status, 'generation', a.generation)
+if a.generation ~= a.from_generation then redis.call('DEL', KEYS[2], KEYS[3]) end
 return 1
 """
+)
 
 # KEYS: the instance's hash, then a hash of its ranks (records or addresses). ARGV: generation,
 # rank, value. Written only while the instance is of that generation.
@@ -85,13 +84,13 @@ class InstanceRecords(RedisPart):
             instance_key(record.id, "ranks"),
             instance_key(record.id, "addresses"),
         ]
-        args = [
-            record.model_dump_json(),
-            record.status,
-            record.generation,
-            instance_move.generation,
-            *instance_move.allowed_from,
-        ]
+        args = named(
+            record=record.model_dump_json(),
+            status=record.status,
+            generation=record.generation,
+            from_generation=instance_move.generation,
+            allowed_from=one_set(instance_move.allowed_from),
+        )
         return bool(self.script(TRANSITION)(keys=keys, args=args))
 
     def transition(

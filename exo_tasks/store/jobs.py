@@ -19,7 +19,7 @@ from config.celery import PRIORITY_CLASSES
 from exo_tasks import fairness, lifecycle, metrics
 from exo_tasks.broker import queue_lists
 from exo_tasks.fleet_types import RunnerState
-from exo_tasks.store.client import RedisPart
+from exo_tasks.store.client import Arg, RedisPart, named, one_set
 from exo_tasks.store.job_scripts import CREATE_UNLESS_FULL, TRANSITION
 from exo_tasks.store.keys import (
     ACTIVE_JOBS,
@@ -99,14 +99,19 @@ class JobRecords(RedisPart):
         sets = [client_key(client, name) for name in classes] if client else []
         keys = [job_key(job.id), RECENT_JOBS, ACTIVE_JOBS, *sets, *queue_lists(queue)]
         created = job.created_at.timestamp()
-        args: list[str | int | float] = [
-            max_queued,
-            job.status,
-            job.model_dump_json(context=STORED),
-            created,
-        ]
-        args += [job.id, self.job_ttl_s, queue, len(sets), quota, created - self.job_ttl_s]
-        args += fairness.step_table(priority)
+        args = named(
+            max_queued=max_queued,
+            status=job.status,
+            record=job.model_dump_json(context=STORED),
+            created_at=created,
+            job_id=job.id,
+            ttl=self.job_ttl_s,
+            queue=queue,
+            sets=len(sets),
+            quota=quota,
+            oldest=created - self.job_ttl_s,
+            steps=one_set(fairness.step_table(priority)),
+        )
         depth, waiting, step = self.script(CREATE_UNLESS_FULL)(keys=keys, args=args)
         return Admission(int(depth), int(waiting), None if step < 0 else int(step))
 
@@ -191,7 +196,7 @@ class JobRecords(RedisPart):
             self.metrics.write(metrics.job_ended(move.record))
         return written
 
-    def _transition_args(self, move: lifecycle.Move) -> list[str | int]:
+    def _transition_args(self, move: lifecycle.Move) -> list[Arg]:
         job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
@@ -202,14 +207,17 @@ class JobRecords(RedisPart):
             )
         if event is not None:
             event_name, event_data = event.event, event.model_dump_json(context=STORED)
-        args: list[str | int] = [
-            job.status,
-            job.model_dump_json(context=STORED),
-            event_name,
-            event_data,
-        ]
-        args += [self.job_ttl_s, move.owner or "", job.owner or "", job.id, *move.allowed_from]
-        return args
+        return named(
+            status=job.status,
+            record=job.model_dump_json(context=STORED),
+            event=event_name,
+            data=event_data,
+            ttl=self.job_ttl_s,
+            only_owner=move.owner or "",
+            owner=job.owner or "",
+            job_id=job.id,
+            allowed_from=one_set(move.allowed_from),
+        )
 
     def write_step(
         self,

@@ -12,7 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 from exo_tasks import lifecycle
 from exo_tasks.commands import RunnerCommand, SubmitJob
 from exo_tasks.fleet_types import RunnerState, StatusChange
-from exo_tasks.store.client import RedisPart
+from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
 from exo_tasks.store.job_scripts import leave_waiting
 from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
@@ -26,25 +26,25 @@ RUNNER_HISTORY_KEPT = 50
 
 _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 
-# KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
-# id, the submit command, the worker incarnation that now owns it, the runner's id, the new
-# status, then the statuses it may move from (exo_tasks.lifecycle). A queued job is marked
-# running, counted as the runner's and put in its inbox at once; a job no longer queued
-# (cancelled meanwhile) is left alone.
-HAND_OVER = f"""
+# KEYS: job hash, the runner's jobs, the runner's inbox. Arguments (NAMED_ARGS): `record`, the
+# job's as running; `job_id`; `command`, the submit command; `owner`, the worker incarnation
+# that now owns it; `runner_id`; `status`, the new one; `allowed_from`, the statuses it may move
+# from (exo_tasks.lifecycle, `one_set`). A queued job is marked running, counted as the
+# runner's and put in its inbox at once; a job no longer queued (cancelled meanwhile) is left
+# alone.
+HAND_OVER = (
+    NAMED_ARGS
+    + f"""
 local current = redis.call('HGET', KEYS[1], 'status')
-local allowed = false
-for i = 7, #ARGV do
-  if current == ARGV[i] then allowed = true end
-end
-if not allowed then return 0 end
-{leave_waiting("ARGV[6]", "ARGV[2]")}
-redis.call('HSET', KEYS[1], 'status', ARGV[6], 'record', ARGV[1])
-redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'runner', ARGV[5])
-redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('RPUSH', KEYS[3], ARGV[3])
+if not one_of(current, a.allowed_from) then return 0 end
+{leave_waiting("a.status", "a.job_id")}
+redis.call('HSET', KEYS[1], 'status', a.status, 'record', a.record)
+redis.call('HSET', KEYS[1], 'owner', a.owner, 'runner', a.runner_id)
+redis.call('SADD', KEYS[2], a.job_id)
+redis.call('RPUSH', KEYS[3], a.command)
 return 1
 """
+)
 
 
 @dataclass(frozen=True)
@@ -110,15 +110,15 @@ class RunnerRecords(RedisPart):
         False if the job is no longer queued."""
         job = command.job
         keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
-        args = [
-            job.model_dump_json(context=STORED),
-            job.id,
-            command.model_dump_json(context=STORED),
-            job.owner or "",
-            runner_id,
-            job.status,
-            *lifecycle.HAND_OVER_FROM,
-        ]
+        args = named(
+            record=job.model_dump_json(context=STORED),
+            job_id=job.id,
+            command=command.model_dump_json(context=STORED),
+            owner=job.owner or "",
+            runner_id=runner_id,
+            status=job.status,
+            allowed_from=one_set(lifecycle.HAND_OVER_FROM),
+        )
         return bool(self.script(HAND_OVER)(keys=keys, args=args))
 
     def send(self, runner_id: str, command: RunnerCommand) -> None:
