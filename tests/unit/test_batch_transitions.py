@@ -13,6 +13,7 @@ import pytest
 from exo_tasks.batch import lifecycle
 from exo_tasks.batch.lifecycle import BATCH_TRANSITIONS
 from exo_tasks.batch.types import BATCH_ENDED, Batch, BatchStatus
+from tests.unit.tables import reachable
 
 BS = BatchStatus
 MOVES = {(a, b) for a, targets in BATCH_TRANSITIONS.items() for b in targets}
@@ -33,12 +34,7 @@ def batch(status: BatchStatus) -> Batch:
 
 def test_every_status_has_its_moves_and_is_reached_from_a_new_batch() -> None:
     assert set(BATCH_TRANSITIONS) == set(BS)
-    reached, frontier = {BS.VALIDATING}, [BS.VALIDATING]
-    while frontier:
-        for to in BATCH_TRANSITIONS[frontier.pop()] - reached:
-            reached.add(to)
-            frontier.append(to)
-    assert reached == set(BS)
+    assert reachable(BATCH_TRANSITIONS, BS.VALIDATING) == set(BS)
 
 
 def test_an_ended_batch_never_leaves_its_ending() -> None:
