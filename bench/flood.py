@@ -84,7 +84,7 @@ def _cpu_s(pid: int) -> float:
 
 def _failed_by_the_cap(store: Store, job_ids: list[str]) -> int:
     def ended() -> list[str] | None:
-        jobs = [store.get_job(job_id) for job_id in job_ids]
+        jobs = [store.jobs.get(job_id) for job_id in job_ids]
         done = [j for j in jobs if j is not None and j.is_terminal]
         return [j.error or "" for j in done] if len(done) == len(job_ids) else None
 
@@ -128,7 +128,7 @@ def _report(results: Results, where: str, refused: int, took_s: float, gap_s: fl
 
 
 def _runner_pid(store: Store, runner_id: str) -> int | None:
-    state = store.get_runner(runner_id)
+    state = store.runners.get(runner_id)
     return state.pid if state is not None else None
 
 

@@ -72,7 +72,7 @@ def _start(lab: Lab, contender: str, config: Config) -> tuple[throughput.Running
     if contender == MLX_RING:
         return _start_mlx_ring(lab, config.bench_model)
     stack = start_exo(lab, "exo-whole", config.bench_model)
-    runner = stack.store.get_runner(runner_id_for(stack.model, stack.workers[0].host))
+    runner = stack.store.runners.get(runner_id_for(stack.model, stack.workers[0].host))
     client = throughput.Running(lambda: ExoClient(stack.url, ignore_eos=True), stack.processes)
     assert runner is not None and runner.pid is not None
     return client, Holders([runner.pid], runner.weights_bytes)
@@ -92,13 +92,13 @@ def _start_instance(lab: Lab, model: Path, tiny: Path) -> tuple[throughput.Runni
         start_worker(processes, redis.url, host, [tiny], directory / host, **settings)
     store = Store.from_url(redis.url)
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: all(store.get_host(h) for h in HOSTS), START_TIMEOUT_S, "workers a, b")
+    wait_until(lambda: all(store.hosts.get(h) for h in HOSTS), START_TIMEOUT_S, "workers a, b")
     wait_until(lambda: _get_ok(f"{url}/healthz"), START_TIMEOUT_S, "the exo_tasks API")
     body = {"model": str(model), "hosts": list(HOSTS)}
     instance_id = requests.post(f"{url}/v1/instances", json=body, timeout=10).json()["id"]
 
     def ready() -> Holders | None:
-        record = store.get_instance(instance_id)
+        record = store.instances.get(instance_id)
         assert record is not None and record.status != "Failed", record
         pids = [r.pid for r in record.ranks if r.pid]
         weights = max(r.weights_bytes or 0 for r in record.ranks)

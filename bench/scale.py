@@ -87,7 +87,7 @@ def _run_once(lab: Lab, config: Config, results: Results) -> None:
             sender.join()
         enqueue_s = time.monotonic() - started
         unfinished = _wait_drained(stack.store, ids)
-        records = [stack.store.get_job(job_id) for job_id in ids]
+        records = [stack.store.jobs.get(job_id) for job_id in ids]
         jobs = [r for r in records if r is not None and r.finished_at is not None]
         first = min(j.created_at for j in jobs)
         last = max(j.finished_at for j in jobs if j.finished_at is not None)

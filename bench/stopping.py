@@ -101,7 +101,7 @@ def run(lab: Lab, config: Config, results: Results) -> None:
 
 
 def _restarted(store: Store, runner_id: str, old_pid: int) -> bool:
-    state = store.get_runner(runner_id)
+    state = store.runners.get(runner_id)
     return state is not None and state.pid != old_pid and state.status.accepts_jobs
 
 

@@ -37,11 +37,11 @@ class Fleet:
 
     @classmethod
     def load(cls, store: Store) -> Fleet:
-        hosts, runners = store.fleet()
+        hosts, runners = store.hosts.fleet()
         return cls(
             hosts={h.name: h for h in hosts},
             runners={r.id: r for r in runners},
-            instances={i.id: i for i in store.list_instances()},
+            instances={i.id: i for i in store.instances.all()},
         )
 
     @property
@@ -192,7 +192,7 @@ class SharedReads:
         self._store = store
         self._fleet = SharedRead(partial(Fleet.load, store))
         self._depths: dict[str, SharedRead[int]] = {}  # by queue: one per model and host
-        self._memory = SharedRead(store.memory)
+        self._memory = SharedRead(store.metrics.memory)
 
     def fleet(self) -> Fleet:
         return self._fleet.get()
@@ -205,6 +205,6 @@ class SharedReads:
         read = self._depths.get(queue)
         if read is None:
             read = self._depths.setdefault(
-                queue, SharedRead(partial(self._store.queue_depth, queue))
+                queue, SharedRead(partial(self._store.jobs.queue_depth, queue))
             )
         return read.get()

@@ -44,7 +44,7 @@ def place(
     """POST /v1/instances: the instance, placed (or as it is, if placed before and live)."""
     record = planned(settings, request)
     check_hosts_live(fleet, request.hosts)
-    placed, created = store.place_instance(record)
+    placed, created = store.instances.place(record)
     if created:
         log.info(
             "instance placed",
@@ -60,7 +60,7 @@ def place_configured(store: Store, settings: Settings) -> list[InstanceRecord]:
     placed = []
     for request in settings.configured_instances:
         try:
-            placed.append(store.place_instance(planned(settings, request))[0])
+            placed.append(store.instances.place(planned(settings, request))[0])
         except ExoError as exc:
             log.error(
                 "EXO_INSTANCES entry skipped: %s",
@@ -71,7 +71,7 @@ def place_configured(store: Store, settings: Settings) -> list[InstanceRecord]:
 
 
 def get_or_404(store: Store, instance_id: str) -> InstanceRecord:
-    record = store.get_instance(instance_id)
+    record = store.instances.get(instance_id)
     if record is None:
         raise NotFound(f"no instance '{instance_id}'", {"instance_id": instance_id})
     return record
@@ -86,7 +86,7 @@ def shutdown(store: Store, instance_id: str, mode: ShutdownMode) -> InstanceReco
             stop = instances.shutdown(record, mode)
         except IllegalMove as exc:
             raise Conflict(str(exc), {"status": record.status}) from None
-        if store.apply_instance_move(stop):
+        if store.instances.apply(stop):
             log.info("instance shutting down", extra={"instance": instance_id, "mode": mode})
             return stop.record
     raise Conflict(f"instance '{instance_id}' kept changing; try again", {"status": None})

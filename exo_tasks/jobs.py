@@ -102,15 +102,15 @@ def _queue_by_prefix(
     if settings.prefix_routing_ttl_s <= 0 or sum(fleet.serves(h, model) for h in fleet.hosts) < 2:
         return None
     digests = prefix_routing.prompt_digests(request)
-    host = prefix_routing.last_host(store.prefix_hosts(model, digests)) if digests else None
+    host = prefix_routing.last_host(store.hosts.prefix_hosts(model, digests)) if digests else None
     if host is None:
         return None
     queue = host_queue(host)
-    waiting = store.queue_depth(queue)
+    waiting = store.jobs.queue_depth(queue)
     routed = prefix_routing.can_take(fleet, model, host, waiting, settings.completion_batch_size)
     counted = metrics.Observations()
     counted.inc(metrics.PREFIX_ROUTED, model=model, outcome="routed" if routed else "fallback")
-    store.write_metrics(counted)
+    store.metrics.write(counted)
     return queue if routed else None
 
 
@@ -157,7 +157,7 @@ def submit(
         id=job_id or new_job_id(), model=where.model, request=request, instance=where.instance
     )
     quota = settings.max_queued_jobs_per_client
-    admitted = store.create_job(job, where.queue, settings.max_queued_jobs, client.key, quota)
+    admitted = store.jobs.create(job, where.queue, settings.max_queued_jobs, client.key, quota)
     # Counted as the job was created: these hold.
     refuse_if_full(where.queue, admitted.depth, settings)
     refuse_over_quota(client, admitted.client_waiting, settings)
@@ -179,8 +179,8 @@ def resend(store: Store, celery: Celery, settings: Settings, job: JobRecord) -> 
     """Send a queued job's message again, to queue_of(job), at the step it was given, and
     record that queue as the one its message is in (the recovery loop looks for it there)."""
     queue = queue_of(job)
-    store.set_job_queue(job.id, queue)
-    send(celery, settings, job, queue, store.queue_priority(job.id))
+    store.jobs.set_queue(job.id, queue)
+    send(celery, settings, job, queue, store.jobs.queue_priority(job.id))
 
 
 def send(
@@ -205,7 +205,7 @@ def send(
 
 
 def get_or_404(store: Store, job_id: str) -> JobRecord:
-    job = store.get_job(job_id)
+    job = store.jobs.get(job_id)
     if job is None:
         raise NotFound(f"no job '{job_id}'", {"job_id": job_id})
     return job
@@ -220,21 +220,21 @@ def cancel(store: Store, job_id: str) -> JobRecord:
     job = get_or_404(store, job_id)
     if not job.is_terminal:
         # First, so that an attempt that ends by requeue from now on ends cancelled instead.
-        store.request_cancel(job_id)
+        store.jobs.request_cancel(job_id)
         job = get_or_404(store, job_id)
     while job.status == JobStatus.QUEUED:
         move = lifecycle.cancel_queued(job)
-        if store.apply(move):
+        if store.jobs.apply(move):
             return move.record
         job = get_or_404(store, job_id)  # a runner took it meanwhile, or it ended
     if job.is_terminal:
         raise Conflict(f"job '{job_id}' is already {job.status}", {"status": job.status})
     assert job.runner_id is not None, "a running job always names its runner"
-    if not store.owner_is_live(job):
-        text, tokens = store.streamed_text(job_id)
+    if not store.hosts.owner_is_live(job):
+        text, tokens = store.jobs.streamed_text(job_id)
         move = lifecycle.cancel_orphaned(job, text, tokens)
-        if store.apply(move):
+        if store.jobs.apply(move):
             return move.record
         return get_or_404(store, job_id)
-    store.send_to_runner(job.runner_id, CancelJob(job_id=job_id, reason="cancelled"))
+    store.runners.send(job.runner_id, CancelJob(job_id=job_id, reason="cancelled"))
     return job

@@ -1,4 +1,5 @@
-"""The state machines as data: which status a job, or a runner, may move to from which.
+"""The state machines as data: which status a job, or a runner, may move to from which (an
+instance's: exo_tasks.instances; a batch's: exo_tasks.batch.lifecycle).
 
 The job's: the record and event each move writes. Pure (no Redis, no MLX): the store executes a
 `Move` with one compare-and-set, so the first of the runner, the task, the recovery loop or a

@@ -84,7 +84,7 @@ class Presence:
     def start(self) -> HostState | None:
         """Announce this incarnation; returns the previous one's last heartbeat, if it had not
         expired yet (it died without a clean stop)."""
-        previous = self.store.get_host(self.state.name)
+        previous = self.store.hosts.get(self.state.name)
         self.beat()
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
         return (
@@ -96,7 +96,7 @@ class Presence:
             if not self._closing.is_set():
                 held = self.held() if held is None else held
                 state = self.state.model_copy(update={"updated_at": utcnow(), "held": held})
-                self.store.publish_host(state, HEARTBEAT_TTL_S)
+                self.store.hosts.publish(state, HEARTBEAT_TTL_S)
 
     def _run(self) -> None:
         published = self.held()
@@ -116,7 +116,7 @@ class Presence:
         with self._lock:
             self._closing.set()
             with contextlib.suppress(redis.RedisError):
-                self.store.remove_host(self.state.name)
+                self.store.hosts.remove(self.state.name)
 
 
 class Recovery:
@@ -154,7 +154,7 @@ class Recovery:
     def _run(self) -> None:
         while not self._closing.wait(SWEEP_INTERVAL_S):
             try:
-                if self.store.hold_lease(self.incarnation, LEASE_TTL_S):
+                if self.store.hosts.hold_lease(self.incarnation, LEASE_TTL_S):
                     self.sweep()
             except Exception as exc:  # the loop must outlive any sweep
                 if redis_waits(exc):  # unreachable or full: no heartbeat could be written
@@ -173,7 +173,7 @@ class Recovery:
                 extra={"incarnation": previous.incarnation, "messages": len(previous.held)},
             )
         self._requeue_running(
-            self.store.active_jobs(),
+            self.store.jobs.active(),
             lambda owner: host_of(owner) == self.host,
             "its worker on this host was restarted",
         )
@@ -182,8 +182,8 @@ class Recovery:
         if time.monotonic() < self._judge_from:
             return
         now = time.time()
-        hosts, runners = self.store.fleet()
-        active = self.store.active_jobs()
+        hosts, runners = self.store.hosts.fleet()
+        active = self.store.jobs.active()
         messages = self.broker.messages(job.queue for job in active if job.queue)
         held = {tag for h in hosts for tag in h.held}
         queued = {job.id for job in active if job.status == JobStatus.QUEUED}
@@ -222,9 +222,9 @@ class Recovery:
                 self._requeue(job, why)
 
     def _requeue(self, job: JobWhereabouts, why: str) -> None:
-        requeued = self.store.requeue_job(job.id, only_from=job.owner)
+        requeued = self.store.jobs.requeue(job.id, only_from=job.owner)
         if job.runner_id is not None:
-            self.store.release_job(job.runner_id, job.id)
+            self.store.runners.release_job(job.runner_id, job.id)
         if requeued is not None:
             extra = {"job_id": job.id, "owner": job.owner, "attempt": requeued.attempts}
             log.warning(f"job requeued: {why}", extra=extra)
@@ -238,7 +238,7 @@ class Recovery:
             del self._missing_since[job_id]
         for job_id in missing:
             since = self._missing_since.setdefault(job_id, now)
-            job = self.store.get_job(job_id) if now - since >= LOST_GRACE_S else None
+            job = self.store.jobs.get(job_id) if now - since >= LOST_GRACE_S else None
             if job is not None and job.status == JobStatus.QUEUED:
                 del self._missing_since[job_id]
                 self.resend(job)
@@ -252,7 +252,7 @@ class Recovery:
             host = host_of_queue(where.queue)
             if where.status != JobStatus.QUEUED or host is None or host in live_hosts:
                 continue
-            job = self.store.get_job(where.id)
+            job = self.store.jobs.get(where.id)
             if job is not None and job.status == JobStatus.QUEUED and job.request.host is None:
                 self.resend(job)
                 extra = {"job_id": job.id, "host": host}
@@ -272,5 +272,5 @@ class Recovery:
                 updated_at=utcnow(),
             )
             if failed is not None:
-                self.store.publish_runner(failed)
+                self.store.runners.publish(failed)
                 log.error("runner marked failed", extra={"runner": runner.id, "error": error})

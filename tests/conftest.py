@@ -71,7 +71,7 @@ def placed(store: Store) -> Iterator[list[str]]:
     ids: list[str] = []
     yield ids
     for instance_id in ids:
-        store.remove_instance(instance_id)
+        store.instances.remove(instance_id)
 
 
 @pytest.fixture(scope="session")
@@ -179,7 +179,7 @@ LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
 
 def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
     wait_until(
-        lambda: stack.store.streamed_text(job_id)[1] >= at_least, 10, f"tokens of job {job_id}"
+        lambda: stack.store.jobs.streamed_text(job_id)[1] >= at_least, 10, f"tokens of job {job_id}"
     )
 
 

@@ -166,8 +166,8 @@ def test_a_batch_whose_input_goes_anyway_fails_alone_with_the_reason(feeding: Fe
     """The file deleted behind the API's back (or between its check and its delete)."""
     client = feeding.client
     batch = long_batch(client)
-    wait_until(lambda: feeding.store.inflight(batch.id), 30, "lines in flight")
-    assert feeding.store.delete_file(batch.input_file_id)
+    wait_until(lambda: feeding.store.batches.inflight(batch.id), 30, "lines in flight")
+    assert feeding.store.files.delete(batch.input_file_id)
     ended = wait_status(client, batch.id, ENDED, 10)
     assert ended.status == "failed", ended
     assert ended.errors is not None and ended.errors.data is not None

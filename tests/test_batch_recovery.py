@@ -25,7 +25,7 @@ LINES = 300
 
 
 def running(store: Store, batch_id: str) -> bool:
-    jobs = store.job_records([line_job_id(batch_id, i) for i in store.inflight(batch_id)])
+    jobs = store.jobs.records([line_job_id(batch_id, i) for i in store.batches.inflight(batch_id)])
     return any(job is not None and job.status == "running" for job in jobs)
 
 
@@ -61,7 +61,7 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
         wait_mid_batch(client, store, batch_id)
         worker.process.send_signal(signal.SIGKILL)
         worker.process.wait(timeout=10)
-    assert store.inflight(batch_id), "the kill lands with lines in flight"
+    assert store.batches.inflight(batch_id), "the kill lands with lines in flight"
     with serving(settings) as api, client_for(api) as client:
         assert client.batches.retrieve(batch_id).status == "in_progress"
         new_worker(processes, redis.url, store, "bk-1", [tiny_model], tmp_path)
@@ -73,7 +73,7 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
     assert not errors, errors[:3]  # the requeued jobs ran again and succeeded
     assert batch.request_counts is not None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
-    attempts = [store.get_job(line_job_id(batch_id, i)) for i in range(LINES)]
+    attempts = [store.jobs.get(line_job_id(batch_id, i)) for i in range(LINES)]
     assert any(job is not None and job.attempts >= 1 for job in attempts), "none was requeued"
     # Each line's job ran its request once to the end: requeued ones start over.
     for line in output:

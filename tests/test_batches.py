@@ -196,7 +196,7 @@ def test_interactive_request_is_served_during_a_batch(stack: Stack, client: open
     first = next(chunk for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
     ttft = time.monotonic() - began
     assert first is not None and ttft < 3.0, f"first token after {ttft:.2f}s"
-    queued = stack.store.queue_depth("exo.model.tiny")
+    queued = stack.store.jobs.queue_depth("exo.model.tiny")
     assert queued <= stack.api.app.extensions["exo"].settings.batch_max_queued
     metrics = stack.api.get("/metrics").text
     assert "exo_batches_running 1.0" in metrics

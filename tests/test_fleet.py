@@ -233,7 +233,7 @@ def routed(before: Samples, after: Samples, outcome: str) -> float:
 
 
 def host_is_idle(stack: Stack, host: str) -> bool:
-    state = stack.store.get_host(host)
+    state = stack.store.hosts.get(host)
     runner = runner_state(stack.store, host, "alpha")
     return state is not None and not state.held and runner.active_jobs == 0
 
@@ -269,7 +269,7 @@ def test_a_hosts_published_load_follows_its_jobs_within_a_second(
 ) -> None:
     # Routing reads it: a host whose finished job still showed would lose the next turn.
     def holds() -> bool:
-        state = stack.store.get_host("fleet-x")
+        state = stack.store.hosts.get("fleet-x")
         return state is not None and bool(state.held)
 
     for _ in range(3):
@@ -322,7 +322,7 @@ def test_a_job_its_prefix_sent_to_a_runner_stopped_since_goes_to_the_models_queu
     # Routed by its prefix to fleet-v just before the stop: unpinned, in fleet-v's own queue.
     request = JobRequest.model_validate({"prompt": "hello", "max_tokens": 4})
     job = JobRecord(id=jobs.new_job_id(), model="alpha", request=request)
-    stack.store.create_job(job, host_queue("fleet-v"), max_queued=1_000)
+    stack.store.jobs.create(job, host_queue("fleet-v"), max_queued=1_000)
     context = stack.api.app.extensions["exo"]
     jobs.send(context.celery, context.settings, job, host_queue("fleet-v"))
     # Not sent back to fleet-v's queue again and again: to the model's, which other hosts serve.

@@ -286,4 +286,4 @@ def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(
         page = flower.get("/worker/exo@fleet-x", auth=AUTH).text
         assert "exo_instances" in page and instance_id in page
     finally:
-        stack.store.remove_instance(instance_id)
+        stack.store.instances.remove(instance_id)

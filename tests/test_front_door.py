@@ -79,7 +79,7 @@ def front_door(processes: Processes, tmp_path: Path) -> FrontDoor:
     job_ids = []
     for n in range(JOBS):
         job = JobRecord(id=f"door-{n}", model="tiny", request=JobRequest(prompt="x"))
-        store.create_job(job, "exo.model.tiny", 1000)
+        store.jobs.create(job, "exo.model.tiny", 1000)
         job_ids.append(job.id)
     port = free_port()
     env = exo_env(
@@ -255,8 +255,8 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
         job_ids = [job_id_in(head) for _, head in heads]
         records = wait_until(
             lambda: (
-                [stack.store.get_job(job_id) for job_id in job_ids]
-                if all(stack.store.get_job(job_id) for job_id in job_ids)
+                [stack.store.jobs.get(job_id) for job_id in job_ids]
+                if all(stack.store.jobs.get(job_id) for job_id in job_ids)
                 else None
             ),
             30,
@@ -288,7 +288,7 @@ def test_a_worker_killed_with_a_request_on_its_way_in_holds_back_no_later_job(
             sock.sendall(streamed_completion("after the kill"))
             head = first_bytes(sock)
             first_byte_at = time.time()
-            job = wait_until(lambda: stack.store.get_job(job_id_in(head)), 30, "the job submitted")
+            job = wait_until(lambda: stack.store.jobs.get(job_id_in(head)), 30, "the job submitted")
     assert job.created_at.timestamp() - first_byte_at < MAX_WAIT_S / 2
 
 

@@ -36,14 +36,14 @@ LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
 
 def running_job(pair: Pair) -> str:
     job_id = submit(pair, **LONG)
-    wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(lambda: pair.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
     return job_id
 
 
 def assert_failed_with(pair: Pair, job_id: str, *causes: str) -> None:
     record = pair.wait_status(InstanceStatus.FAILED, 30)
     assert record.error is not None and all(c in record.error for c in causes), record.error
-    job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 30, "job")
+    job = wait_until(lambda: (j := pair.store.jobs.get(job_id)) and j.is_terminal and j, 30, "job")
     assert job.status == "failed" and job.error is not None
     assert all(c in job.error for c in causes), job.error
 
@@ -128,7 +128,7 @@ def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
         assert record.error == "rank 1 on host b: its host's heartbeat is gone", record.error
         if job_id is not None:
             job = wait_until(
-                lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 10, "job"
+                lambda: (j := pair.store.jobs.get(job_id)) and j.is_terminal and j, 10, "job"
             )
             assert job.status == "failed" and job.error is not None
             assert "rank 1 on host b: its host's heartbeat is gone" in job.error, job.error
@@ -140,11 +140,11 @@ def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
 def test_a_warm_shutdown_drains_then_stops_every_rank(pair: Pair) -> None:
     before = pair.wait_ready()
     job_id = submit(pair, prompt="drain me", max_tokens=300, ignore_eos=True)
-    wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(lambda: pair.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
     pids, ports = pids_and_ports(before)
     pair.shut_down("warm")
     record = pair.wait_status(InstanceStatus.SHUTDOWN, DEFAULTS.runner_shutdown_grace_s + 10)
-    job = pair.store.get_job(job_id)
+    job = pair.store.jobs.get(job_id)
     assert job is not None and job.status == "succeeded" and job.usage.completion_tokens == 300
     assert [r.status for r in record.ranks] == ["Shutdown", "Shutdown"], record.ranks
     assert_nothing_left(pair, pids, ports)
@@ -162,7 +162,7 @@ def test_a_hard_shutdown_stops_every_rank_at_once(pair: Pair) -> None:
         wait_gone(pid, TERM_WAIT_S + KILL_WAIT_S, f"rank process {pid}")
     took = time.monotonic() - started
     pair.wait_status(InstanceStatus.SHUTDOWN, 10)
-    job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 10, "job")
+    job = wait_until(lambda: (j := pair.store.jobs.get(job_id)) and j.is_terminal and j, 10, "job")
     assert job.status == "failed" and job.output.finish_reason == "shutdown", job
     assert_nothing_left(pair, pids, ports)
     assert took < TERM_WAIT_S + KILL_WAIT_S
@@ -175,12 +175,12 @@ def test_a_warm_worker_shutdown_drains_the_instance_then_stops_every_rank(pair: 
     rank exits 0; the instance is Failed naming host b, and starts again once b is back."""
     before = pair.wait_ready()
     job_id = submit(pair, prompt="drain me", max_tokens=200, ignore_eos=True)
-    wait_until(lambda: pair.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(lambda: pair.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
     pids, ports = pids_and_ports(before)
     worker_b = pair.workers["b"].process
     worker_b.send_signal(signal.SIGTERM)
     worker_b.wait(DEFAULTS.runner_shutdown_grace_s + TERM_WAIT_S + KILL_WAIT_S)
-    job = wait_until(lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 30, "job")
+    job = wait_until(lambda: (j := pair.store.jobs.get(job_id)) and j.is_terminal and j, 30, "job")
     assert job.status == "succeeded" and job.usage.completion_tokens == 200, job
     for pid in pids:
         # Within the escalation that bounds any stop once its jobs are done; each rank still

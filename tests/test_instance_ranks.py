@@ -59,7 +59,7 @@ def test_jobs_in_one_batch_on_an_instance_equal_the_model_whole(pair: Pair) -> N
     assert {j["runner_id"] for j in on_instance} == {instance_runner_id(pair.instance_id, 0)}
     assert {j["runner_id"].split("@")[0] for j in whole} == {"whole"}
     assert on_instance[4]["output"]["logprobs"], "logprobs reported on an instance"
-    rank0 = pair.store.get_runner(instance_runner_id(pair.instance_id, 0))
+    rank0 = pair.store.runners.get(instance_runner_id(pair.instance_id, 0))
     assert rank0 is not None and rank0.largest_batch >= 2, "the jobs shared a batch"
 
 
@@ -89,7 +89,9 @@ def test_cancel_of_one_job_leaves_the_others_texts_unchanged(pair: Pair) -> None
         {"prompt": f"job {i}", "max_tokens": 120, "ignore_eos": True} for i in range(3)
     ]
     ids = [submit(pair, **request) for request in requests]
-    wait_until(lambda: pair.store.streamed_text(ids[1])[1] >= 5, 30, "tokens of the middle job")
+    wait_until(
+        lambda: pair.store.jobs.streamed_text(ids[1])[1] >= 5, 30, "tokens of the middle job"
+    )
     assert pair.api.post(f"/v1/jobs/{ids[1]}/cancel").status_code == 202
     jobs = [pair.api.wait_job(job_id) for job_id in ids]
     whole = run_batch(pair, "whole", requests)
@@ -107,7 +109,7 @@ def test_each_rank_holds_at_most_0_6_of_the_bench_model(pair: Pair, tmp_path: Pa
     whole_bytes = (bench / "model.safetensors").stat().st_size  # the parameters, whole
 
     def ranks_loaded() -> list[int] | None:
-        record = pair.store.get_instance(instance_id)
+        record = pair.store.instances.get(instance_id)
         assert record is not None and record.status != "Failed", record
         sizes = [r.weights_bytes for r in record.ranks]
         return [s for s in sizes if s] if record.status == "Ready" and all(sizes) else None
@@ -116,7 +118,7 @@ def test_each_rank_holds_at_most_0_6_of_the_bench_model(pair: Pair, tmp_path: Pa
     assert all(size <= 0.6 * whole_bytes for size in sizes), (sizes, whole_bytes)
     assert pair.api.post(f"/v1/instances/{instance_id}/shutdown", json={"mode": "hard"})
     wait_until(
-        lambda: (r := pair.store.get_instance(instance_id)) and r.status == "Shutdown", 30, "stop"
+        lambda: (r := pair.store.instances.get(instance_id)) and r.status == "Shutdown", 30, "stop"
     )
 
 
@@ -132,7 +134,7 @@ def test_a_job_s_time_limit_and_keep_alive_on_an_instance(pair: Pair) -> None:
     brief = submit(pair, prompt="brief", max_tokens=8, keep_alive=0)
     assert pair.api.wait_job(brief)["status"] == "succeeded"
     time.sleep(2)  # longer than keep_alive 0 takes to unload a whole runner
-    rank0 = pair.store.get_runner(instance_runner_id(pair.instance_id, 0))
+    rank0 = pair.store.runners.get(instance_runner_id(pair.instance_id, 0))
     assert rank0 is not None and rank0.status == "Ready", rank0
     after = pair.instance()
     assert after.status == "Ready" and after.generation == before.generation
@@ -146,7 +148,7 @@ def test_a_tool_call_on_an_instance(pair: Pair, tmp_path: Path) -> None:
     model = create_tool_model(tmp_path / "tools")
     instance_id = place(pair.api, model)
     wait_until(
-        lambda: (r := pair.store.get_instance(instance_id)) and r.status == "Ready",
+        lambda: (r := pair.store.instances.get(instance_id)) and r.status == "Ready",
         START_TIMEOUT_S,
         "the tool model's instance Ready",
         0.5,
@@ -163,7 +165,7 @@ def test_a_tool_call_on_an_instance(pair: Pair, tmp_path: Path) -> None:
     finally:
         pair.api.post(f"/v1/instances/{instance_id}/shutdown", json={"mode": "hard"})
         wait_until(
-            lambda: (r := pair.store.get_instance(instance_id)) and r.status == "Shutdown",
+            lambda: (r := pair.store.instances.get(instance_id)) and r.status == "Shutdown",
             30,
             "the tool model's instance stopped",
         )

@@ -71,11 +71,11 @@ def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
     assert api.get("/v1/models/gamma").status_code == 200
 
     queue = instance_queue(instance_id)
-    depth = store.queue_depth(queue)
+    depth = store.jobs.queue_depth(queue)
     job = queued_job(api, model="gamma")
     assert job["instance"] == instance_id and job["model"] == "gamma"
     assert store.redis.hget(job_key(job["id"]), "queue") == queue
-    assert store.queue_depth(queue) == depth + 1
+    assert store.jobs.queue_depth(queue) == depth + 1
     # Pinned to one of its hosts: the instance's queue too; to another host: none serves it.
     assert queued_job(api, model="gamma", host="held-b")["instance"] == instance_id
     status, message = refused(api, model="gamma", host="host-a")
@@ -116,7 +116,7 @@ def test_jobs_an_instance_cannot_take_are_503_naming_why(
 
     # Placed where a host has no heartbeat (EXO_INSTANCES does not wait for the hosts).
     waiting = InstanceRecord.placed("/elsewhere/delta", ["held-a", "ghost"], "tensor")
-    store.place_instance(waiting)
+    store.instances.place(waiting)
     placed.append(waiting.id)
     status, message = refused(api, model="delta")
     assert status == 503
@@ -142,7 +142,7 @@ def test_a_model_whose_whole_runners_are_all_down_goes_to_its_instance(
 ) -> None:
     api, store = stack.api, stack.store
     instance = InstanceRecord.placed("/elsewhere/omega", list(HELD), "tensor")
-    store.place_instance(instance)
+    store.instances.place(instance)
     placed.append(instance.id)
     move_instance(store, instance.id, STARTING, READY)
     # A held host serving omega whole, its runner Ready (published as a supervisor does).
@@ -154,7 +154,7 @@ def test_a_model_whose_whole_runners_are_all_down_goes_to_its_instance(
         assert job["instance"] is None
         assert store.redis.hget(job_key(job["id"]), "queue") == model_queue("omega")
         # Stopped for good: the instance takes the model's jobs.
-        store.publish_runner(whole.model_copy(update={"status": RunnerStatus.SHUTDOWN}))
+        store.runners.publish(whole.model_copy(update={"status": RunnerStatus.SHUTDOWN}))
         assert queued_job(api, model="omega")["instance"] == instance.id
 
 
@@ -170,18 +170,18 @@ def test_metrics_count_an_instances_jobs_for_its_model(stack: Stack, ready_gamma
     api, store, instance_id = stack.api, stack.store, ready_gamma
     job_id = api.submit(model="gamma", **JOB)
     waiting = value(scrape(api.url), "exo_num_requests_waiting", model="gamma")
-    assert waiting == store.queue_depth(instance_queue(instance_id)) >= 1
+    assert waiting == store.jobs.queue_depth(instance_queue(instance_id)) >= 1
     # Handed to rank 0 as rank 0's host hands it over: running there.
     rank0 = instance_runner_id(instance_id, 0)
-    job = store.get_job(job_id)
+    job = store.jobs.get(job_id)
     assert job is not None
     owner = held_incarnation(HELD[0])
     running = lifecycle.start(job, host=HELD[0], runner_id=rank0, owner=owner)
-    assert store.hand_over(rank0, SubmitJob(job=running, soft_deadline=0, deadline=0))
+    assert store.runners.hand_over(rank0, SubmitJob(job=running, soft_deadline=0, deadline=0))
     try:
         assert value(scrape(api.url), "exo_num_requests_running", model="gamma") == 1
     finally:
-        store.fail_runner_jobs(rank0, "test over")
+        store.runners.fail_jobs(rank0, "test over")
 
 
 def test_tools_for_an_instance_whose_rank_0_has_no_tool_calling_are_refused(

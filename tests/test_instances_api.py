@@ -158,7 +158,7 @@ def check_shutdowns(api: Api, store: Store, instance: dict[str, Any]) -> None:
     refused = api.post(path, json={"mode": "hard"})
     assert refused.status_code == 409
     assert refused.json()["error"]["message"].endswith("is already shutting down (hard)")
-    stored = store.get_instance(instance["id"])
+    stored = store.instances.get(instance["id"])
     assert stored is not None and stored.shutdown_mode == "hard"
 
     assert api.post(path, json={"mode": "cold"}).status_code == 422
@@ -181,7 +181,7 @@ def test_exo_instances_are_placed_once_when_workers_start(
     placed.extend([expected.id, pipeline.id])
     worker = new_worker(stack, processes, tiny_model, tmp_path, "inst-a", instances=spec)
     # Placed although inst-b has no worker yet: Pending until it has.
-    record = stack.store.get_instance(expected.id)
+    record = stack.store.instances.get(expected.id)
     assert record is not None and record.status is InstanceStatus.PENDING and record.generation == 1
     assert (record.model, record.hosts, record.model_path) == (
         "gamma",
@@ -189,7 +189,7 @@ def test_exo_instances_are_placed_once_when_workers_start(
         str(gamma_model),
     )
     # An entry that cannot work is skipped, saying why; the worker serves the rest.
-    assert stack.store.get_instance(pipeline.id) is None
+    assert stack.store.instances.get(pipeline.id) is None
     assert "EXO_INSTANCES entry skipped" in worker.log_text()
     assert "has no `model.pipeline`" in worker.log_text()
 

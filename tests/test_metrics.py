@@ -138,12 +138,12 @@ def test_gauges_show_running_and_waiting_jobs(stack: Stack, omega: Worker) -> No
 def test_a_runner_restart_is_counted(stack: Stack, omega: Worker) -> None:
     labels = {"model": "omega", "host": "omega-host"}
     before = value(scrape(stack.api.url), "exo_runner_restarts_total", **labels)
-    state = stack.store.get_runner("omega@omega-host")
+    state = stack.store.runners.get("omega@omega-host")
     assert state is not None and state.pid is not None
     os.kill(state.pid, signal.SIGKILL)
     wait_until(
         lambda: (
-            (s := stack.store.get_runner("omega@omega-host")) is not None
+            (s := stack.store.runners.get("omega@omega-host")) is not None
             and s.pid != state.pid
             and s.status.accepts_jobs
         ),

@@ -74,7 +74,7 @@ def test_a_sigkilled_workers_jobs_are_requeued_from_its_heartbeat_not_the_broker
     worker.process.send_signal(signal.SIGKILL)
 
     def all_requeued() -> bool:
-        jobs = [stack.store.get_job(j) for j in ids]
+        jobs = [stack.store.jobs.get(j) for j in ids]
         return all(
             j is not None
             and j.status == "queued"
@@ -99,7 +99,7 @@ def test_a_sigkilled_workers_jobs_are_requeued_from_its_heartbeat_not_the_broker
         job = stack.api.wait_job(job_id, timeout_s=60)
         assert job["status"] == "succeeded" and job["attempts"] == 1
         assert job["usage"]["completion_tokens"] == 600
-        assert [e.event for _, e in stack.store.read_events(job_id)].count("done") == 1
+        assert [e.event for _, e in stack.store.jobs.read_events(job_id)].count("done") == 1
     reader.join(timeout=5)
     assert events[-1] == "done" and events.count("requeued") == 1
 
@@ -128,13 +128,13 @@ def test_a_queued_job_whose_message_was_lost_is_sent_again_exactly_once(stack: S
         model="tiny",
         request=JobRequest.model_validate({"prompt": "lost", "max_tokens": 8}),
     )
-    assert stack.store.create_job(job, "exo.model.tiny", max_queued=1_000).depth == 0
+    assert stack.store.jobs.create(job, "exo.model.tiny", max_queued=1_000).depth == 0
     started = time.monotonic()
     ended = stack.api.wait_job(job.id, timeout_s=30)
     assert ended["status"] == "succeeded" and ended["attempts"] == 0
     assert time.monotonic() - started < 30
     time.sleep(3)  # a second message would have run by now
-    assert [e.event for _, e in stack.store.read_events(job.id)].count("done") == 1
+    assert [e.event for _, e in stack.store.jobs.read_events(job.id)].count("done") == 1
 
 
 def test_a_cancel_for_a_job_whose_worker_died_is_final(
@@ -150,7 +150,7 @@ def test_a_cancel_for_a_job_whose_worker_died_is_final(
     assert response.status_code == 202
     # Once it has expired, the cancel ends the job itself.
     wait_until(
-        lambda: stack.store.get_host(host) is None, HEARTBEAT_TTL_S + 2, "the heartbeat to expire"
+        lambda: stack.store.hosts.get(host) is None, HEARTBEAT_TTL_S + 2, "the heartbeat to expire"
     )
     response = stack.api.post(f"/v1/jobs/{late}/cancel")
     assert response.status_code == 202 and response.json()["status"] in ("cancelled", "queued")
@@ -162,7 +162,7 @@ def test_a_cancel_for_a_job_whose_worker_died_is_final(
     time.sleep(3)  # a redelivered message would have started by now
     for job_id in (early, late):
         assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
-        assert [e.event for _, e in stack.store.read_events(job_id)].count("done") == 1
+        assert [e.event for _, e in stack.store.jobs.read_events(job_id)].count("done") == 1
 
 
 def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(
@@ -181,7 +181,7 @@ def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(
         model="tiny",
         request=JobRequest.model_validate({"prompt": "wait", "max_tokens": 4, "host": host}),
     )
-    stack.store.create_job(job, host_queue(host), max_queued=1_000)
+    stack.store.jobs.create(job, host_queue(host), max_queued=1_000)
     context = stack.api.app.extensions["exo"]
     jobs.send(context.celery, context.settings, job, host_queue(host))
     time.sleep(4)
@@ -197,7 +197,7 @@ def test_a_job_sent_again_waits_at_the_step_its_client_gave_it(stack: Stack) -> 
     client = fairness.client_of(host, None, None).key
     request = JobRequest.model_validate({"prompt": "x", "max_tokens": 1, "host": host})
     queued = [JobRecord(id=uuid.uuid4().hex, model="tiny", request=request) for _ in range(3)]
-    steps = [stack.store.create_job(j, host_queue(host), 1_000, client, 10).step for j in queued]
+    steps = [stack.store.jobs.create(j, host_queue(host), 1_000, client, 10).step for j in queued]
     assert steps == [3, 4, 5]
     context = stack.api.app.extensions["exo"]
     try:
@@ -221,7 +221,7 @@ def test_a_message_started_but_stuck_in_a_live_workers_pool_goes_back_to_its_que
         model="stuck",
         request=JobRequest.model_validate({"prompt": "x", "max_tokens": 1}),
     )
-    stack.store.create_job(job, queue, max_queued=10)
+    stack.store.jobs.create(job, queue, max_queued=10)
     message = {
         "body": "",
         "headers": {"id": job.id},
@@ -238,7 +238,7 @@ def test_a_message_started_but_stuck_in_a_live_workers_pool_goes_back_to_its_que
         held=[tag],
         started_at=utcnow(),
     )
-    stack.store.publish_host(holder, HEARTBEAT_TTL_S)
+    stack.store.hosts.publish(holder, HEARTBEAT_TTL_S)
     context = stack.api.app.extensions["exo"]
     loop = Recovery(
         stack.store,

@@ -17,27 +17,8 @@ from exo_tasks.runner.lane import EngineFinish, TokenDelta
 from exo_tasks.runner.loop import Runner
 from exo_tasks.runner.process import RunnerProgress, RunnerSpec
 from exo_tasks.store import Store
-from exo_tasks.types import JobRecord, JobRequest, JobStatus, SamplingParams, TokenEvent
-
-
-class FakeStore:
-    """What the loop writes, kept in memory."""
-
-    def __init__(self) -> None:
-        self.published: list[RunnerStatus] = []
-        self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
-
-    def publish_runner(self, state: Any, *, status_changed: bool = True) -> None:
-        self.published.append(state.status)
-
-    def write_step(
-        self,
-        runner_id: str,
-        tokens: list[tuple[str, TokenEvent]],
-        observations: Any,
-        endings: list[JobRecord],
-    ) -> None:
-        self.steps.append((list(tokens), list(endings)))
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, SamplingParams
+from tests.unit.fakes import RunnerWrites
 
 
 class FakeEngine:
@@ -97,7 +78,7 @@ def runner() -> Runner:
         max_prompt_tokens=100,
         prefill_batch_size=3,
     )
-    store = cast(Store, FakeStore())
+    store = cast(Store, RunnerWrites())
     unit = Runner(spec, RunnerProgress([0.0, 0.0, 0.0]), store, lambda _: FakeEngine())
     # As Runner.run starts serving (the runner's status moves by exo_tasks.lifecycle's table).
     unit.outbox.publish(RunnerStatus.LOADING)
@@ -106,8 +87,8 @@ def runner() -> Runner:
     return unit
 
 
-def store_of(runner: Runner) -> FakeStore:
-    return cast(FakeStore, runner.store)
+def store_of(runner: Runner) -> RunnerWrites:
+    return cast(RunnerWrites, runner.store)
 
 
 def engine_of(runner: Runner) -> FakeEngine:
@@ -125,7 +106,7 @@ def test_a_stop_under_way_only_gets_stricter(runner: Runner) -> None:
     runner._begin_stop(StopRunner(mode="warm", timeout_s=30, requeue=True))
     first_deadline = runner.stop_deadline
     published = store_of(runner).published
-    assert published[-1] == RunnerStatus.SHUTTING_DOWN
+    assert published[-1].status == RunnerStatus.SHUTTING_DOWN
     count = len(published)
 
     runner._begin_stop(StopRunner(mode="warm", timeout_s=30, requeue=True))
@@ -229,7 +210,7 @@ def test_a_lone_job_is_not_held_back(runner: Runner) -> None:
 def test_the_runner_loads_its_engine_from_the_factory_and_frees_it(runner: Runner) -> None:
     engine = engine_of(runner)
     assert engine.warm
-    assert store_of(runner).published == [
+    assert [s.status for s in store_of(runner).published] == [
         RunnerStatus.LOADING,
         RunnerStatus.LOADED,
         RunnerStatus.WARMING_UP,
@@ -259,7 +240,7 @@ def test_a_step_streams_tokens_and_ends_jobs_through_the_outbox(runner: Runner) 
     assert endings[0].output.finish_reason == "length" and endings[0].usage.completion_tokens == 1
     assert set(runner.active) == {long.job.id}
     # The runner's state follows its jobs: Running, with the largest batch it stepped.
-    assert store_of(runner).published[-1] == RunnerStatus.RUNNING
+    assert store_of(runner).published[-1].status == RunnerStatus.RUNNING
     assert runner.outbox.state.largest_batch == 2 and runner.outbox.state.active_jobs == 1
 
 

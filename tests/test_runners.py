@@ -72,7 +72,7 @@ def test_loading_a_runner_on_a_host_with_no_live_worker_is_404_naming_it(stack: 
     dead = RunnerState(
         id="tiny@gone-host", host="gone-host", model="tiny", status=RunnerStatus.FAILED
     )
-    stack.store.publish_runner(dead)
+    stack.store.runners.publish(dead)
     for host in ("gone-host", "never-was"):
         response = stack.api.post("/v1/runners", json={"model": "tiny", "host": host})
         assert response.status_code == 404, response.text

@@ -229,21 +229,21 @@ def test_the_runner_keeps_the_soft_limit_when_no_signal_brings_it(stack: Stack) 
     # A job handed to the runner with no task behind it, as when the soft limit's signal to the
     # pool child is lost: only the runner's own clock can end it.
     runner_id = runner_id_for("tiny", stack.worker.host)
-    before = stack.store.get_runner(runner_id)
+    before = stack.store.runners.get(runner_id)
     job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=JobRequest.model_validate(LONG))
-    stack.store.create_job(job, "exo.test-no-task", max_queued=1)
+    stack.store.jobs.create(job, "exo.test-no-task", max_queued=1)
     started = job.model_copy(
         update={"status": JobStatus.RUNNING, "started_at": utcnow(), "runner_id": runner_id}
     )
     handed_over = time.monotonic()
     command = SubmitJob(job=started, soft_deadline=time.time() + 1, deadline=time.time() + 60)
-    assert stack.store.hand_over(runner_id, command)
+    assert stack.store.runners.hand_over(runner_id, command)
 
     ended = stack.api.wait_job(job.id, timeout_s=5)
     assert 1 <= time.monotonic() - handed_over < 2.5
     assert ended["status"] == "timed_out" and ended["output"]["finish_reason"] == "time_limit"
     assert 0 < ended["usage"]["completion_tokens"] < 4000 and ended["output"]["text"]
-    after = stack.store.get_runner(runner_id)
+    after = stack.store.runners.get(runner_id)
     assert before is not None and after is not None
     assert after.pid == before.pid and after.status.accepts_jobs
 
@@ -303,7 +303,7 @@ def test_warm_worker_shutdown_finishes_or_requeues_and_a_restart_completes_every
     new_worker(stack, processes, tiny_model, tmp_path, host)
     for job_id in [long_id, short_id, *queued]:
         assert stack.api.wait_job(job_id, timeout_s=60)["status"] == "succeeded"
-    events = stack.store.read_events(long_id)
+    events = stack.store.jobs.read_events(long_id)
     assert [e.event for _, e in events].count("done") == 1
 
 
@@ -332,7 +332,7 @@ def test_cold_worker_shutdown_requeues_in_flight_jobs_never_succeeding_them(
     job = stack.api.wait_job(job_id, timeout_s=60)
     assert job["status"] == "succeeded" and job["attempts"] >= 1
     assert job["usage"]["completion_tokens"] == 4000
-    assert [e.event for _, e in stack.store.read_events(job_id)].count("done") == 1
+    assert [e.event for _, e in stack.store.jobs.read_events(job_id)].count("done") == 1
 
 
 def test_unknown_host_shutdown_is_404(stack: Stack) -> None:

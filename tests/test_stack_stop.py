@@ -107,7 +107,7 @@ class LocalStack:
         ]
         store = self.store()
         wait_until(
-            lambda: all(store.streamed_text(j)[1] >= 3 for j in ids), 20, "tokens of every job"
+            lambda: all(store.jobs.streamed_text(j)[1] >= 3 for j in ids), 20, "tokens of every job"
         )
         return ids
 
@@ -216,11 +216,11 @@ def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
     try:
         store = Store.from_url(redis.url)
         for job_id in ids:
-            job = store.get_job(job_id)
+            job = store.jobs.get(job_id)
             assert job is not None and job.status == "queued" and job.attempts == 1, job
-            events = [event.event for _, event in store.read_events(job_id)]
+            events = [event.event for _, event in store.jobs.read_events(job_id)]
             assert events.count("requeued") == 1, events
-        assert store.queue_depth(model_queue(DEFAULT_PRESET)) == len(ids)
+        assert store.jobs.queue_depth(model_queue(DEFAULT_PRESET)) == len(ids)
         assert store.redis.hlen("unacked") == 0
     finally:
         redis.process.terminate()
@@ -348,7 +348,7 @@ def test_a_missing_model_path_fails_the_runner_for_good(
     runner_id = runner_id_for("no-such-model", "stack-missing")
 
     def failed() -> RunnerState | None:
-        state = store.get_runner(runner_id)
+        state = store.runners.get(runner_id)
         # The runner says Failed as it exits; the supervisor then adds how it ended.
         return state if state is not None and "not restarted" in (state.error or "") else None
 
@@ -356,7 +356,7 @@ def test_a_missing_model_path_fails_the_runner_for_good(
     assert state.error is not None
     assert f"model path '{missing}' does not exist (exitcode=78)" in state.error
     time.sleep(2)  # the first restart would have come after 0.5 s
-    again = store.get_runner(runner_id)
+    again = store.runners.get(runner_id)
     assert again is not None and again.status == "Failed" and again.restarts == 0
     assert worker.process.poll() is None
 

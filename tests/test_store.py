@@ -40,11 +40,11 @@ def test_a_job_is_created_only_while_its_queue_has_room(store: Store) -> None:
     store.redis.lpush(f"{queue}\x06\x165", "b")  # kombu's list for priority 5
 
     first, second = new_job(), new_job()
-    assert store.create_job(first, queue, max_queued=3).depth == 2
-    assert store.get_job(first.id) == first
-    refused = store.create_job(second, queue, max_queued=2)
+    assert store.jobs.create(first, queue, max_queued=3).depth == 2
+    assert store.jobs.get(first.id) == first
+    refused = store.jobs.create(second, queue, max_queued=2)
     assert refused.depth == 2 and refused.step is None
-    assert store.get_job(second.id) is None
+    assert store.jobs.get(second.id) is None
 
 
 def new_job_of(priority: str) -> JobRecord:
@@ -56,73 +56,75 @@ def test_a_clients_jobs_wait_at_later_steps_of_their_class_up_to_its_quota(store
     queue = f"exo.model.fair-{uuid.uuid4().hex[:6]}"
     a, b = (fairness.client_of(f"{name}-{uuid.uuid4().hex[:6]}", None, None).key for name in "ab")
     a_jobs = [new_job_of("normal") for _ in range(5)]
-    steps = [store.create_job(job, queue, 1_000, a, quota=5).step for job in a_jobs]
+    steps = [store.jobs.create(job, queue, 1_000, a, quota=5).step for job in a_jobs]
     # Its first job at the class's first step, then one step later at 1, 2 and 4 waiting.
     assert steps == [3, 4, 5, 5, 6]
-    assert [store.queue_priority(job.id) for job in a_jobs] == steps
+    assert [store.jobs.queue_priority(job.id) for job in a_jobs] == steps
 
     # At its quota (all classes count): refused, while another client's first job goes first.
-    over = store.create_job(new_job_of("high"), queue, 1_000, a, quota=5)
+    over = store.jobs.create(new_job_of("high"), queue, 1_000, a, quota=5)
     assert over.step is None and over.client_waiting == 5
-    assert store.create_job(new_job_of("normal"), queue, 1_000, b, quota=5).step == 3
-    assert store.create_job(new_job_of("low"), queue, 1_000, b, quota=5).step == 7
+    assert store.jobs.create(new_job_of("normal"), queue, 1_000, b, quota=5).step == 3
+    assert store.jobs.create(new_job_of("low"), queue, 1_000, b, quota=5).step == 7
 
     # A job that leaves the queue (a runner took it, or it was cancelled) leaves the count.
-    assert store.hand_over("m@fair", running(a_jobs[0], "m@fair"))
-    assert store.apply(lifecycle.cancel_queued(a_jobs[1]))
-    assert store.client_waiting(a) == 3
-    assert store.create_job(new_job_of("normal"), queue, 1_000, a, quota=5).step == 5
+    assert store.runners.hand_over("m@fair", running(a_jobs[0], "m@fair"))
+    assert store.jobs.apply(lifecycle.cancel_queued(a_jobs[1]))
+    assert store.jobs.client_waiting(a) == 3
+    assert store.jobs.create(new_job_of("normal"), queue, 1_000, a, quota=5).step == 5
 
 
 def test_hand_over_marks_a_queued_job_running_and_fills_the_inbox(store: Store) -> None:
     runner_id = f"m@{uuid.uuid4().hex[:6]}"
     job = new_job()
-    store.create_job(job, "exo.model.m", max_queued=1_000)
+    store.jobs.create(job, "exo.model.m", max_queued=1_000)
 
-    assert store.hand_over(runner_id, running(job, runner_id))
-    stored = store.get_job(job.id)
+    assert store.runners.hand_over(runner_id, running(job, runner_id))
+    stored = store.jobs.get(job.id)
     assert stored is not None and stored.status == "running" and stored.runner_id == runner_id
-    command = store.next_runner_command(runner_id, timeout_s=1)
+    command = store.runners.next_command(runner_id, timeout_s=1)
     assert isinstance(command, SubmitJob) and command.job.id == job.id
-    assert store.take_runner_jobs(runner_id) == [job.id]
+    assert store.runners.take_jobs(runner_id) == [job.id]
 
 
 def test_hand_over_leaves_a_cancelled_job_alone(store: Store) -> None:
     runner_id = f"m@{uuid.uuid4().hex[:6]}"
     job = new_job()
-    store.create_job(job, "exo.model.m", max_queued=1_000)
+    store.jobs.create(job, "exo.model.m", max_queued=1_000)
     move = lifecycle.cancel_queued(job)
-    assert store.apply(move)
+    assert store.jobs.apply(move)
     cancelled = move.record
 
-    assert not store.hand_over(runner_id, running(job, runner_id))
-    assert store.get_job(job.id) == cancelled
-    assert store.next_runner_command(runner_id, timeout_s=0.1) is None
-    assert store.take_runner_jobs(runner_id) == []
+    assert not store.runners.hand_over(runner_id, running(job, runner_id))
+    assert store.jobs.get(job.id) == cancelled
+    assert store.runners.next_command(runner_id, timeout_s=0.1) is None
+    assert store.runners.take_jobs(runner_id) == []
 
 
 def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     job = new_job()
-    store.create_job(job, "exo.model.m", max_queued=1_000)
+    store.jobs.create(job, "exo.model.m", max_queued=1_000)
     runner_id = "m@endings"
-    store.hand_over(runner_id, running(job, runner_id))
-    store.write_step(runner_id, [(job.id, TokenEvent(index=0, text="a"))], Observations(), [])
-    requeued = store.requeue_job(job.id)
+    store.runners.hand_over(runner_id, running(job, runner_id))
+    store.jobs.write_step(runner_id, [(job.id, TokenEvent(index=0, text="a"))], Observations(), [])
+    requeued = store.jobs.requeue(job.id)
     assert requeued is not None and requeued.attempts == 1
 
-    after, events_before = store.attempt_start(job.id)
+    after, events_before = store.jobs.attempt_start(job.id)
     assert events_before == 2  # the first attempt's token and its requeue
-    [(first_end, ending)] = store.read_endings(job.id, "0-0", block_ms=100)
+    [(first_end, ending)] = store.jobs.read_endings(job.id, "0-0", block_ms=100)
     assert first_end == after and ending.event == "requeued"
 
-    store.hand_over(runner_id, running(requeued, runner_id))
+    store.runners.hand_over(runner_id, running(requeued, runner_id))
     final = requeued.ended(
         JobStatus.SUCCEEDED, text="b", finish_reason="length", completion_tokens=1
     )
-    store.write_step(runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final])
-    [(_, ending)] = store.read_endings(job.id, after, block_ms=100)
+    store.jobs.write_step(
+        runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final]
+    )
+    [(_, ending)] = store.jobs.read_endings(job.id, after, block_ms=100)
     assert ending.event == "done" and ending.job.output.text == "b"
-    _, events = store.runner_and_events(runner_id, job.id)
+    _, events = store.jobs.runner_and_events(runner_id, job.id)
     assert events - events_before == 2  # this attempt's token and its done
 
 
@@ -130,30 +132,30 @@ def test_a_requeue_for_a_dead_owner_never_takes_the_job_from_a_newer_attempt(
     store: Store,
 ) -> None:
     job = new_job()
-    store.create_job(job, "exo.model.m", max_queued=1_000)
-    assert job.id in {j.id for j in store.active_jobs()}
-    store.hand_over("m@w", running(job, "m@w", owner="w:1:1"))
-    first = store.requeue_job(job.id, only_from="w:1:1")
+    store.jobs.create(job, "exo.model.m", max_queued=1_000)
+    assert job.id in {j.id for j in store.jobs.active()}
+    store.runners.hand_over("m@w", running(job, "m@w", owner="w:1:1"))
+    first = store.jobs.requeue(job.id, only_from="w:1:1")
     assert first is not None and first.status == "queued" and first.owner is None
-    store.hand_over("m@w", running(first, "m@w", owner="w:2:2"))  # a new attempt took it
+    store.runners.hand_over("m@w", running(first, "m@w", owner="w:2:2"))  # a new attempt took it
 
-    assert store.requeue_job(job.id, only_from="w:1:1") is None  # the old owner's: too late
-    stored = store.get_job(job.id)
+    assert store.jobs.requeue(job.id, only_from="w:1:1") is None  # the old owner's: too late
+    stored = store.jobs.get(job.id)
     assert stored is not None and stored.status == "running" and stored.owner == "w:2:2"
 
 
 def test_a_cancelled_job_ends_cancelled_instead_of_going_back_to_the_queue(store: Store) -> None:
     job = new_job()
-    store.create_job(job, "exo.model.m", max_queued=1_000)
-    store.hand_over("m@w", running(job, "m@w"))
-    store.write_step("m@w", [(job.id, TokenEvent(index=0, text="a"))], Observations(), [])
-    store.request_cancel(job.id)
+    store.jobs.create(job, "exo.model.m", max_queued=1_000)
+    store.runners.hand_over("m@w", running(job, "m@w"))
+    store.jobs.write_step("m@w", [(job.id, TokenEvent(index=0, text="a"))], Observations(), [])
+    store.jobs.request_cancel(job.id)
 
-    assert store.requeue_job(job.id) is None
-    stored = store.get_job(job.id)
+    assert store.jobs.requeue(job.id) is None
+    stored = store.jobs.get(job.id)
     assert stored is not None and stored.status == "cancelled"
     assert stored.output.text == "a" and stored.output.finish_reason == "cancelled"
-    assert job.id not in {j.id for j in store.active_jobs()}
+    assert job.id not in {j.id for j in store.jobs.active()}
 
 
 def test_the_recovery_lease_has_one_holder_until_it_lapses(
@@ -161,11 +163,11 @@ def test_the_recovery_lease_has_one_holder_until_it_lapses(
 ) -> None:
     # A Redis of its own: the session's workers run recovery loops that take the lease too.
     store = Store.from_url(start_redis(processes, tmp_path / "redis").url)
-    assert store.hold_lease("a", 0.3)
-    assert store.hold_lease("a", 0.3)  # renewed
-    assert not store.hold_lease("b", 0.3)
+    assert store.hosts.hold_lease("a", 0.3)
+    assert store.hosts.hold_lease("a", 0.3)  # renewed
+    assert not store.hosts.hold_lease("b", 0.3)
     time.sleep(0.4)
-    assert store.hold_lease("b", 0.3)
+    assert store.hosts.hold_lease("b", 0.3)
 
 
 def test_foreign_entries_in_a_queue_do_not_hide_celery_messages(store: Store) -> None:

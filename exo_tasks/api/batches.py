@@ -11,8 +11,9 @@ from flask import Blueprint, Response, jsonify
 from exo_tasks.api.context import ctx
 from exo_tasks.api.files import page_args
 from exo_tasks.api.http import json_body
+from exo_tasks.batch import lifecycle as batch_lifecycle
 from exo_tasks.batch.jobs import cancel_inflight
-from exo_tasks.batch.types import Batch, BatchCreate, BatchList, window_seconds
+from exo_tasks.batch.types import Batch, BatchCreate, BatchList, BatchStatus, window_seconds
 from exo_tasks.errors import Conflict, InvalidRequest, NotFound
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")
@@ -24,7 +25,7 @@ def create_batch() -> Response:
     body = BatchCreate.model_validate(json_body())
     ctx().refuse_if_storage_low()
     store = ctx().store
-    input_file = store.get_file(body.input_file_id)
+    input_file = store.files.get(body.input_file_id)
     if input_file is None:
         raise NotFound(f"no file '{body.input_file_id}'", {"field": "input_file_id"})
     if input_file.purpose != "batch":
@@ -40,7 +41,7 @@ def create_batch() -> Response:
         expires_at=now + window_seconds(body.completion_window),
         metadata=body.metadata,
     )
-    store.create_batch(batch)
+    store.batches.create(batch)
     return jsonify(batch.model_dump(mode="json"))
 
 
@@ -52,7 +53,7 @@ def get_batch(batch_id: str) -> Response:
 @bp.get("/batches")
 def list_batches() -> Response:
     after, limit = page_args(20, MAX_PAGE)
-    page = ctx().store.list_batches(after, limit)
+    page = ctx().store.batches.page(after, limit)
     if page is None:
         raise NotFound(f"no batch '{after}'", {"field": "after"})
     batches, more = page
@@ -69,19 +70,17 @@ def cancel_batch(batch_id: str) -> Response:
     batch = _batch_or_404(batch_id)
     if batch.ended:
         raise Conflict(f"batch '{batch_id}' is already {batch.status}", {"status": batch.status})
-    if batch.status != "cancelling":
-        update = {"status": "cancelling", "cancelling_at": int(time.time())}
-        cancelling = batch.model_copy(update=update)
-        if not context.store.move_batch(cancelling, "validating", "in_progress"):
+    if batch.status != BatchStatus.CANCELLING:
+        if not context.store.batches.move(batch_lifecycle.cancel(batch, int(time.time()))):
             batch = _batch_or_404(batch_id)
-            if batch.status != "cancelling":
+            if batch.status != BatchStatus.CANCELLING:
                 raise Conflict(f"batch '{batch_id}' is {batch.status}", {"status": batch.status})
         cancel_inflight(context.store, batch)
     return jsonify(_batch_or_404(batch_id).model_dump(mode="json"))
 
 
 def _batch_or_404(batch_id: str) -> Batch:
-    batch = ctx().store.get_batch(batch_id)
+    batch = ctx().store.batches.get(batch_id)
     if batch is None:
         raise NotFound(f"no batch '{batch_id}'", {"field": "batch_id"})
     return batch

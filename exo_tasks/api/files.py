@@ -54,7 +54,7 @@ def upload() -> Response:
         filename=upload.filename or "file.jsonl",
         purpose="batch",
     )
-    ctx().store.put_file(meta, _text(data, settings.batch_max_lines))
+    ctx().store.files.put(meta, _text(data, settings.batch_max_lines))
     return jsonify(meta.model_dump(mode="json"))
 
 
@@ -73,7 +73,7 @@ def _text(data: bytes, max_lines: int) -> str:
 @bp.get("/files")
 def list_files() -> Response:
     after, limit = page_args(MAX_PAGE, MAX_PAGE)
-    page = ctx().store.list_files(after, limit)
+    page = ctx().store.files.page(after, limit)
     if page is None:
         raise NotFound(f"no file '{after}'", {"field": "after"})
     files, more = page
@@ -90,7 +90,7 @@ def get_file(file_id: str) -> Response:
 @bp.get("/files/<file_id>/content")
 def file_content(file_id: str) -> Response:
     meta = _file_or_404(file_id)
-    content = ctx().store.file_content(file_id)
+    content = ctx().store.files.content(file_id)
     if content is None:  # deleted meanwhile
         raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
     headers = {"Content-Disposition": content_disposition(meta.filename)}
@@ -111,20 +111,20 @@ def content_disposition(filename: str) -> str:
 def delete_file(file_id: str) -> Response:
     """409 while a batch reads the file (the feeder fails a batch whose input goes anyway)."""
     store = ctx().store
-    batch = store.open_batch_reading(file_id)
+    batch = store.batches.open_reading(file_id)
     if batch is not None:
         message = (
             f"file '{file_id}' is the input of batch '{batch.id}', which is {batch.status}: "
             "delete it once the batch has ended (or cancel the batch)"
         )
         raise Conflict(message, {"field": "file_id", "batch_id": batch.id})
-    if not store.delete_file(file_id):
+    if not store.files.delete(file_id):
         raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
     return jsonify(FileDeleted(id=file_id).model_dump(mode="json"))
 
 
 def _file_or_404(file_id: str) -> FileObject:
-    meta = ctx().store.get_file(file_id)
+    meta = ctx().store.files.get(file_id)
     if meta is None:
         raise NotFound(f"no file '{file_id}'", {"field": "file_id"})
     return meta

@@ -35,7 +35,7 @@ def list_hosts() -> Response:
                 models=live.models,
                 runners=fleet.host_runners(name),
                 instances=[i.id for i in placed],
-                queues={q: store.queue_depth(q) for q in queues},
+                queues={q: store.jobs.queue_depth(q) for q in queues},
             )
         )
     return jsonify([h.model_dump(mode="json") for h in hosts])

@@ -29,7 +29,7 @@ def place_instance() -> tuple[Response, int]:
 
 @bp.get("")
 def list_instances() -> Response:
-    return jsonify([i.model_dump(mode="json") for i in ctx().store.list_instances()])
+    return jsonify([i.model_dump(mode="json") for i in ctx().store.instances.all()])
 
 
 @bp.get("/<instance_id>")

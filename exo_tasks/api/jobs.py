@@ -49,7 +49,7 @@ def list_jobs() -> Response:
         raise InvalidRequest(f"unknown status '{status}'", {"field": "status"})
     limit = _limit()
     before = request.args.get("before")
-    listed = ctx().store.list_jobs(status=status, limit=limit, before=before)
+    listed = ctx().store.jobs.recent(status=status, limit=limit, before=before)
     if listed is None:
         raise NotFound(f"no job '{before}' among the recent ones", {"field": "before"})
     response = jsonify([summary(job) for job in with_progress(listed)])
@@ -84,7 +84,7 @@ def with_progress(listed: list[JobRecord]) -> list[JobRecord]:
     running = [job.id for job in listed if job.status == JobStatus.RUNNING]
     if not running:
         return listed
-    histories = ctx().store.event_histories(running)
+    histories = ctx().store.jobs.event_histories(running)
     now = utcnow()
     return [progress.with_progress(job, histories.get(job.id, []), now) for job in listed]
 
@@ -108,7 +108,7 @@ def stream_job(job_id: str) -> Response:
                     continue
                 event_id, event = item
                 data = (
-                    public(context.store.final_job(event))
+                    public(context.store.jobs.final(event))
                     if isinstance(event, DoneEvent)
                     else event.model_dump(exclude={"event"})
                 )

@@ -88,7 +88,7 @@ def _open_stream(
     depth = context.reads.queue_depth(where.queue)
     jobs.refuse_if_full(where.queue, depth, context.settings)
     client = auth.client(job_request.user)
-    jobs.refuse_over_quota(client, context.store.client_waiting(client.key), context.settings)
+    jobs.refuse_over_quota(client, context.store.jobs.client_waiting(client.key), context.settings)
     release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
     overflow = streams.close_connection(request.environ)
     plan = _Stream(context, renderer, overflow, include_usage, client)
@@ -108,7 +108,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
     for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
             # Its ending carries no logprobs: its record has them.
-            final = context.store.final_job(item[1]) if job.request.logprobs else item[1].job
+            final = context.store.jobs.final(item[1]) if job.request.logprobs else item[1].job
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
                 jobs.cancel(context.store, job.id)

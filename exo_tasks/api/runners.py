@@ -23,7 +23,7 @@ bp = Blueprint("runners", __name__, url_prefix="/v1/runners")
 
 
 def get_or_404(runner_id: str) -> RunnerState:
-    state = ctx().store.get_runner(runner_id)
+    state = ctx().store.runners.get(runner_id)
     if state is None:
         raise NotFound(f"no runner '{runner_id}'", {"runner_id": runner_id})
     return state
@@ -31,13 +31,13 @@ def get_or_404(runner_id: str) -> RunnerState:
 
 @bp.get("")
 def list_runners() -> Response:
-    return jsonify([r.model_dump(mode="json") for r in ctx().store.list_runners()])
+    return jsonify([r.model_dump(mode="json") for r in ctx().store.runners.all()])
 
 
 @bp.get("/<runner_id>")
 def get_runner(runner_id: str) -> Response:
     state = get_or_404(runner_id)
-    detail = RunnerDetail(**dict(state), history=ctx().store.runner_history(runner_id))
+    detail = RunnerDetail(**dict(state), history=ctx().store.runners.history(runner_id))
     return jsonify(detail.model_dump(mode="json"))
 
 

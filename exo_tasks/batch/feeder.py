@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from exo_tasks import fairness, jobs, json_input, metrics
 from exo_tasks.batch import input as batch_input
+from exo_tasks.batch import lifecycle as batch_lifecycle
 from exo_tasks.batch.jobs import cancel_inflight, line_job_id
 from exo_tasks.batch.results import ENDPOINTS, LineResults, succeeded
 from exo_tasks.batch.types import (
@@ -107,7 +108,7 @@ class BatchFeeder:
         while not self._closing.wait(pause):
             self._moved = 0
             try:
-                if self.store.hold_lease(self.holder, LEASE_TTL_S, BATCH_FEEDER_LEASE):
+                if self.store.hosts.hold_lease(self.holder, LEASE_TTL_S, BATCH_FEEDER_LEASE):
                     self.tick()
                 # At once again after a tick that moved lines (the fleet is waiting), else a pause.
                 pause = 0 if self._moved else TICK_S
@@ -124,7 +125,7 @@ class BatchFeeder:
                     pause = TICK_S
 
     def tick(self) -> None:
-        batches = [b for b in map(self.store.get_batch, self.store.open_batches()) if b]
+        batches = [b for b in map(self.store.batches.get, self.store.batches.open_ids()) if b]
         if not batches:
             return
         room = Room(self._fleet_room(), self.settings.batch_max_queued)
@@ -147,10 +148,10 @@ class BatchFeeder:
     def _advance(self, batch: Batch, room: Room) -> bool:
         """Validate the batch, or collect its lines that ended and end it if it is done;
         True if it takes more lines. Its jobs in flight are taken from the room."""
-        if batch.status == "validating":
+        if batch.status == BatchStatus.VALIDATING:
             self.validate(batch)
             return False
-        if not self.store.file_exists(batch.input_file_id):
+        if not self.store.files.exists(batch.input_file_id):
             self._fail(batch, f"its input file '{batch.input_file_id}' was deleted while it ran")
             return False
         still = self.collect(batch)
@@ -164,13 +165,13 @@ class BatchFeeder:
         per_host = self.settings.batch_inflight_per_host
         return sum(
             min(per_host, (host.concurrency or per_host) - RESERVED_CHILDREN)
-            for host in self.store.fleet()[0]
+            for host in self.store.hosts.fleet()[0]
         )
 
     # --- validating ---
 
     def validate(self, batch: Batch) -> None:
-        content = self.store.file_content(batch.input_file_id)
+        content = self.store.files.content(batch.input_file_id)
         if content is None:
             checked = batch_input.CheckedInput()
             checked.fail("file_not_found", f"input file '{batch.input_file_id}' was deleted", None)
@@ -181,20 +182,21 @@ class BatchFeeder:
         now = int(time.time())
         if checked.errors:
             errors = BatchErrors(data=checked.errors)
-            update = {"status": "failed", "failed_at": now, "errors": errors}
-            self.store.close_batch(batch.model_copy(update=update), "validating")
+            self.store.batches.close(
+                batch_lifecycle.move(batch, BatchStatus.FAILED, now, errors=errors)
+            )
             return
-        self.store.set_spans(batch.id, checked.spans)
+        self.store.batches.set_spans(batch.id, checked.spans)
         counts = RequestCounts(total=len(checked.spans))
-        update = {"status": "in_progress", "in_progress_at": now, "request_counts": counts}
-        self.store.move_batch(batch.model_copy(update=update), "validating")
+        started = batch_lifecycle.move(batch, BatchStatus.IN_PROGRESS, now, request_counts=counts)
+        self.store.batches.move(started)
 
     # --- collecting the jobs that ended ---
 
     def collect(self, batch: Batch) -> list[JobStatus]:
         """Write the result of each of the batch's jobs that ended; the statuses of the rest."""
-        lines = self.store.inflight(batch.id)
-        records = self.store.job_records([line_job_id(batch.id, line) for line in lines])
+        lines = self.store.batches.inflight(batch.id)
+        records = self.store.jobs.records([line_job_id(batch.id, line) for line in lines])
         still: list[JobStatus] = []
         ended: list[tuple[int, JobRecord | None]] = []
         for line, job in zip(lines, records, strict=True):
@@ -209,15 +211,15 @@ class BatchFeeder:
     def _ended_lines(
         self, batch: Batch, ended: list[tuple[int, JobRecord | None]]
     ) -> list[tuple[int, ResultLine]]:
-        raws = self.store.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
-        cut = "expired" if self._expired(batch) else batch.status
+        raws = self.store.batches.input_lines(batch.id, batch.input_file_id, [n for n, _ in ended])
+        cut = BatchStatus.EXPIRED if self._expired(batch) else batch.status
         return [
             (line, self._ended_line(batch, line, batch_input.custom_id_of(raw, line), job, cut))
             for (line, job), raw in zip(ended, raws, strict=True)
         ]
 
     def _ended_line(
-        self, batch: Batch, line: int, custom_id: str, job: JobRecord | None, cut: str
+        self, batch: Batch, line: int, custom_id: str, job: JobRecord | None, cut: BatchStatus
     ) -> ResultLine:
         if job is None:  # its record expired (EXO_JOB_TTL_S) before it was collected
             error = ExoError(f"the request's job {line_job_id(batch.id, line)} is gone")
@@ -229,11 +231,13 @@ class BatchFeeder:
         rows = [(line, succeeded(result), result.model_dump_json()) for line, result in results]
         self._moved += len(rows)
         observations = metrics.Observations()
-        for (_, ok, _), written in zip(rows, self.store.write_results(batch.id, rows), strict=True):
+        for (_, ok, _), written in zip(
+            rows, self.store.batches.write_results(batch.id, rows), strict=True
+        ):
             if written:
                 observations.inc(metrics.BATCH_REQUESTS, status="completed" if ok else "failed")
         if observations:
-            self.store.write_metrics(observations)
+            self.store.metrics.write(observations)
 
     # --- feeding ---
 
@@ -241,12 +245,12 @@ class BatchFeeder:
         """Send the next lines the fleet has room for, side by side (each send is a few round
         trips to Redis). The cursor moves past each line in order, up to the first that has to
         wait; one sent beyond it is found (its id) when the feeder comes back to it."""
-        cursor, total = self.store.cursor(batch.id), batch.request_counts.total
+        cursor, total = self.store.batches.cursor(batch.id), batch.request_counts.total
         lines = list(range(cursor, min(total, cursor + room.left)))
         if not lines:
             return
-        raws = self.store.input_lines(batch.id, batch.input_file_id, lines)
-        existing = self.store.job_records([line_job_id(batch.id, line) for line in lines])
+        raws = self.store.batches.input_lines(batch.id, batch.input_file_id, lines)
+        existing = self.store.jobs.records([line_job_id(batch.id, line) for line in lines])
         outcomes = list(
             self._senders.map(self._send_line, [batch] * len(lines), lines, raws, existing)
         )
@@ -262,7 +266,7 @@ class BatchFeeder:
                 refused.append((line, outcome))
             cursor = line + 1
         self._write(batch, refused)
-        self.store.take_lines(batch.id, sent, cursor)
+        self.store.batches.take_lines(batch.id, sent, cursor)
         self._moved += len(sent)
 
     def _send_line(
@@ -300,21 +304,22 @@ class BatchFeeder:
     # --- ending ---
 
     def _expired(self, batch: Batch) -> bool:
-        return batch.status == "in_progress" and time.time() >= batch.expires_at
+        return batch.status == BatchStatus.IN_PROGRESS and time.time() >= batch.expires_at
 
     def _ended(self, batch: Batch, still: list[JobStatus]) -> bool:
         """End the batch if it is done, cancelled or past its window (its jobs in flight
         cancelled first); True if it takes no more lines."""
-        stopping = batch.status == "cancelling" or self._expired(batch)
+        stopping = batch.status == BatchStatus.CANCELLING or self._expired(batch)
         if stopping and still:
             self._cancel_inflight(batch)
             return True
         if stopping:
-            self._end(batch, "expired" if batch.status == "in_progress" else "cancelled")
+            expired = batch.status == BatchStatus.IN_PROGRESS
+            self._end(batch, BatchStatus.EXPIRED if expired else BatchStatus.CANCELLED)
             return True
-        done = self.store.cursor(batch.id) >= batch.request_counts.total
-        if batch.status == "finalizing" or (done and not still):
-            self._end(batch, "completed")
+        done = self.store.batches.cursor(batch.id) >= batch.request_counts.total
+        if batch.status == BatchStatus.FINALIZING or (done and not still):
+            self._end(batch, BatchStatus.COMPLETED)
             return True
         return False
 
@@ -326,25 +331,25 @@ class BatchFeeder:
 
     def _end(self, batch: Batch, status: BatchStatus) -> None:
         now = int(time.time())
-        previous: BatchStatus = batch.status
-        if status == "completed" and batch.status == "in_progress":
-            finalizing = batch.model_copy(update={"status": "finalizing", "finalizing_at": now})
-            if not self.store.move_batch(finalizing, "in_progress"):
+        if status == BatchStatus.COMPLETED and batch.status == BatchStatus.IN_PROGRESS:
+            finalizing = batch_lifecycle.move(batch, BatchStatus.FINALIZING, now)
+            if not self.store.batches.move(finalizing):
                 return  # cancelled meanwhile: the next tick ends it so
-            batch, previous = finalizing, "finalizing"
-        self._cut_short_the_rest(batch, "expired" if status == "expired" else "cancelling")
-        update = {"status": status, f"{status}_at": now, **self._result_files(batch, now)}
+            batch = finalizing.batch
+        expired = status == BatchStatus.EXPIRED
+        self._cut_short_the_rest(batch, BatchStatus.EXPIRED if expired else BatchStatus.CANCELLING)
+        ended = batch_lifecycle.move(batch, status, now, **self._result_files(batch, now))
         self._cancelled_at.pop(batch.id, None)
-        if self.store.close_batch(batch.model_copy(update=update), previous):
+        if self.store.batches.close(ended):
             log.info("batch ended", extra={"batch_id": batch.id, "status": status})
 
-    def _cut_short_the_rest(self, batch: Batch, cut: str) -> None:
+    def _cut_short_the_rest(self, batch: Batch, cut: BatchStatus) -> None:
         """Every line without a result (never sent) gets one saying why it never ran."""
-        have = self.store.lines_with_results(batch.id)
+        have = self.store.batches.lines_with_results(batch.id)
         missing = [line for line in range(batch.request_counts.total) if line not in have]
         for start in range(0, len(missing), 1000):
             chunk = missing[start : start + 1000]
-            raws = self.store.input_lines(batch.id, batch.input_file_id, chunk)
+            raws = self.store.batches.input_lines(batch.id, batch.input_file_id, chunk)
             results = [
                 (
                     line,
@@ -359,19 +364,17 @@ class BatchFeeder:
         (never reading its input again: it may be what failed); its jobs in flight cancelled."""
         cancel_inflight(self.store, batch)
         now = int(time.time())
-        update = {
-            "status": "failed",
-            "failed_at": now,
-            "errors": BatchErrors(data=[BatchError(code="batch_failed", message=reason)]),
-            **self._result_files(batch, now),
-        }
+        errors = BatchErrors(data=[BatchError(code="batch_failed", message=reason)])
+        failed = batch_lifecycle.move(
+            batch, BatchStatus.FAILED, now, errors=errors, **self._result_files(batch, now)
+        )
         self._cancelled_at.pop(batch.id, None)
-        if self.store.close_batch(batch.model_copy(update=update), batch.status):
+        if self.store.batches.close(failed):
             log.warning("batch failed", extra={"batch_id": batch.id, "error": reason})
 
     def _result_files(self, batch: Batch, now: int) -> dict[str, object]:
         """The output and error files of the results the batch's lines have, and their counts."""
-        output, errors = self.store.results(batch.id)
+        output, errors = self.store.batches.results(batch.id)
         return {
             "output_file_id": self._file(batch, "output", output, now),
             "error_file_id": self._file(batch, "error", errors, now),
@@ -391,5 +394,5 @@ class BatchFeeder:
             filename=f"{batch.id}_{kind}.jsonl",
             purpose="batch_output",
         )
-        self.store.put_file(meta, content)
+        self.store.files.put(meta, content)
         return meta.id

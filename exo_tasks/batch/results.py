@@ -9,7 +9,7 @@ from typing import Any
 
 from exo_tasks import errors
 from exo_tasks.batch.jobs import line_job_id
-from exo_tasks.batch.types import Batch, LineError, LineResponse, ResultLine
+from exo_tasks.batch.types import Batch, BatchStatus, LineError, LineResponse, ResultLine
 from exo_tasks.openai_render import ChatRenderer, Renderer, TextRenderer, failure
 from exo_tasks.openai_types import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from exo_tasks.types import JobRecord, JobStatus
@@ -21,8 +21,11 @@ ENDPOINTS: dict[str, tuple[type[OpenAIRequest], Renderer]] = {
 }
 # Why a request that was cut short by its batch never answered.
 CUT_SHORT = {
-    "cancelling": ("batch_cancelled", "the batch was cancelled before this request finished"),
-    "expired": (
+    BatchStatus.CANCELLING: (
+        "batch_cancelled",
+        "the batch was cancelled before this request finished",
+    ),
+    BatchStatus.EXPIRED: (
         "batch_expired",
         "this request could not be executed before the completion window expired",
     ),
@@ -39,7 +42,7 @@ class LineResults:
         return self._answered(batch, line, custom_id, status, body)
 
     def of_job(
-        self, batch: Batch, line: int, custom_id: str, job: JobRecord, cut: str | None
+        self, batch: Batch, line: int, custom_id: str, job: JobRecord, cut: BatchStatus | None
     ) -> ResultLine:
         """The line of an ended job; `cut`: the batch's status if it ended the job (a cancel,
         the window's end)."""
@@ -55,7 +58,7 @@ class LineResults:
         message = job.error or f"the request's job ended {job.status}"
         return _unanswered(batch, line, custom_id, code, message)
 
-    def never_ran(self, batch: Batch, line: int, custom_id: str, cut: str) -> ResultLine:
+    def never_ran(self, batch: Batch, line: int, custom_id: str, cut: BatchStatus) -> ResultLine:
         return _unanswered(batch, line, custom_id, *CUT_SHORT[cut])
 
     @staticmethod

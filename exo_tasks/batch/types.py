@@ -3,6 +3,7 @@ between processes. Pure: the API, the feeder (on a worker) and the CLI share the
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Any, Literal
 
@@ -11,18 +12,26 @@ from pydantic import BaseModel, Field, field_validator
 from exo_tasks.wire import WireModel
 
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
-BatchStatus = Literal[
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-]
+
+
+class BatchStatus(enum.StrEnum):
+    """A batch's status, as OpenAI names it. Which status may follow which is
+    exo_tasks.batch.lifecycle's transitions table."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
 # Where a batch has nothing more to do.
-BATCH_ENDED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+BATCH_ENDED: frozenset[BatchStatus] = frozenset(
+    {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
 FilePurpose = Literal["batch", "batch_output"]
 # OpenAI takes "24h" only; a shorter window is the user's to set (a test's expiry, a deadline).
 WINDOW = re.compile(r"^([1-9][0-9]{0,5})([smh])$")
@@ -121,7 +130,7 @@ class Batch(BaseModel):
     errors: BatchErrors | None = None
     input_file_id: str
     completion_window: str
-    status: BatchStatus = "validating"
+    status: BatchStatus = BatchStatus.VALIDATING
     output_file_id: str | None = None
     error_file_id: str | None = None
     created_at: int

@@ -94,7 +94,7 @@ def read_inbox(
     def read() -> None:
         while True:
             try:
-                command = store.next_runner_command(runner_id, INBOX_POLL_S)
+                command = store.runners.next_command(runner_id, INBOX_POLL_S)
             except Exception:
                 log.exception("reading the inbox failed; retrying")
                 time.sleep(INBOX_POLL_S)

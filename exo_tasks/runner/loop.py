@@ -268,8 +268,8 @@ class Runner:
         if command.job_id in self.active:
             self._end(command.job_id, JobStatus.FAILED, None, error)
         else:  # never joined the batch, and we do not have its record
-            self.store.release_job(self.spec.runner_id, command.job_id)
-            self.store.fail_job(command.job_id, error)
+            self.store.runners.release_job(self.spec.runner_id, command.job_id)
+            self.store.jobs.fail(command.job_id, error)
             self._record_progress(progressed=True)
 
     def _refuse(self, command: SubmitJob, error: str) -> None:
@@ -282,8 +282,8 @@ class Runner:
         # Its task marked the job running as it handed it over: nothing to write to start it.
         job = command.job
         if self.stop_request is not None:  # not started: back to the queue, never lost
-            self.store.release_job(self.spec.runner_id, job.id)
-            self.store.requeue_job(job.id)
+            self.store.runners.release_job(self.spec.runner_id, job.id)
+            self.store.jobs.requeue(job.id)
             return
         try:
             prompt = intake.prompt_tokens_of(self.loaded, job.request, self.spec.max_prompt_tokens)
@@ -357,8 +357,8 @@ class Runner:
         for job_id in list(self.active):
             del self.active[job_id]
             self.loaded.remove(job_id)
-            self.store.requeue_job(job_id)
-            self.store.release_job(self.spec.runner_id, job_id)
+            self.store.jobs.requeue(job_id)
+            self.store.runners.release_job(self.spec.runner_id, job_id)
             log.info("job requeued", extra={"job_id": job_id})
         self._after_job_left()
 

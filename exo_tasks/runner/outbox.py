@@ -23,10 +23,11 @@ log = logging.getLogger("exo_tasks.runner")
 STATE_DELAY_S = 0.05
 
 
-class OutboxStore(Protocol):
-    """The store's writes that a runner makes (`exo_tasks.store.Store`)."""
+class RunnerWrites(Protocol):
+    def publish(self, state: RunnerState, *, status_changed: bool = True) -> None: ...
 
-    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None: ...
+
+class StepWrites(Protocol):
     def write_step(
         self,
         runner_id: str,
@@ -34,6 +35,15 @@ class OutboxStore(Protocol):
         observations: metrics.Observations,
         endings: list[JobRecord],
     ) -> None: ...
+
+
+class OutboxStore(Protocol):
+    """The store's writes that a runner makes (`exo_tasks.store.Store`'s runners and jobs)."""
+
+    @property
+    def runners(self) -> RunnerWrites: ...
+    @property
+    def jobs(self) -> StepWrites: ...
 
 
 class Occupancy(NamedTuple):
@@ -81,7 +91,7 @@ class Outbox:
                 return
             self.state = moved
         try:
-            self.store.publish_runner(self.state, status_changed=changed)
+            self.store.runners.publish(self.state, status_changed=changed)
             self.state_unpublished = False
         except (redis.ConnectionError, redis.TimeoutError):
             self.state_unpublished = True  # published again once Redis is back
@@ -100,7 +110,7 @@ class Outbox:
         stands, whatever the jobs."""
         wrote = bool(self.tokens or self.endings)
         if wrote:
-            self.store.write_step(self.state.id, self.tokens, self.observations, self.endings)
+            self.store.jobs.write_step(self.state.id, self.tokens, self.observations, self.endings)
             self.tokens, self.endings = [], []
         due = self.state_due is not None and (wrote or time.monotonic() >= self.state_due)
         if due or self.state_unpublished:

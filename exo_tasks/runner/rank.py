@@ -49,9 +49,11 @@ def join_ring(spec: RunnerSpec, store: Store) -> Any:
     rank = spec.rank
     assert rank is not None
     port = ring.free_port(rank.address)
-    store.publish_address(rank.instance_id, rank.generation, rank.rank, rank.address, port)
-    while len(found := store.addresses(rank.instance_id, rank.generation)) < rank.world:
-        instance = store.get_instance(rank.instance_id)
+    store.instances.publish_address(
+        rank.instance_id, rank.generation, rank.rank, rank.address, port
+    )
+    while len(found := store.instances.addresses(rank.instance_id, rank.generation)) < rank.world:
+        instance = store.instances.get(rank.instance_id)
         if (
             instance is None
             or instance.generation != rank.generation
@@ -126,7 +128,7 @@ class Follower:
             )
             if moved is not None:
                 self.state = moved
-                self.store.publish_runner(moved)
+                self.store.runners.publish(moved)
 
     def run(self) -> int:
         from exo_tasks.runner.schedule import Channel, follow, is_ring_error
@@ -165,6 +167,6 @@ def fail_instance(store: Store, spec: RunnerSpec, cause: str) -> None:
     """Record that this rank's instance failed, naming this rank (if it had not failed yet)."""
     assert spec.rank is not None
     error = rank_failure(spec.rank.rank, spec.host, cause)
-    store.transition_instance(
+    store.instances.transition(
         spec.rank.instance_id, FAILED, error=error, generation=spec.rank.generation
     )

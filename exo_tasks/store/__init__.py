@@ -1,17 +1,23 @@
-"""Redis: the one facade every process uses, assembled from one part per concern.
+"""Redis: the one facade every process uses, composed of one part per concern, each over the
+one client they share.
 
 - `keys`: the key layout; `client`: the connection and the refusals a writer waits out.
-- `jobs`: job records, event and endings streams; executes exo_tasks.lifecycle's moves.
-- `runners`: runner state and history, inboxes, and the hand-over of a job to a runner.
-- `hosts`: heartbeats (worker incarnations), the recovery lease, supervisor inboxes, the
+- `store.jobs`: job records, event and endings streams; executes exo_tasks.lifecycle's moves
+  (each ending counted in `store.metrics`).
+- `store.runners`: runner state and history, inboxes, and the hand-over of a job to a runner
+  (the jobs of a runner that is gone ended or requeued through `store.jobs`).
+- `store.hosts`: heartbeats (worker incarnations), leases, supervisor inboxes, the
   prefix-to-host map.
-- `metrics`: metric persistence.
-- `instances`: model instances across hosts, their ranks' records and ring addresses.
-- `files`, `batches`: OpenAI's Files and Batch API (exo_tasks.batch.feeder drives batches).
+- `store.metrics`: metric persistence, and Redis's memory.
+- `store.instances`: model instances across hosts, their ranks' records and ring addresses.
+- `store.files`, `store.batches`: OpenAI's Files and Batch API (exo_tasks.batch.feeder drives
+  batches).
 kombu's own layout (queues, unacknowledged messages) is exo_tasks.broker's alone.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import redis
 
@@ -20,7 +26,7 @@ from exo_tasks.store.client import connect, redis_waits
 from exo_tasks.store.files import FileRecords
 from exo_tasks.store.hosts import HostRecords
 from exo_tasks.store.instances import InstanceRecords
-from exo_tasks.store.jobs import JobWhereabouts
+from exo_tasks.store.jobs import JobRecords, JobWhereabouts
 from exo_tasks.store.keys import (
     PREFIX,
     endings_key,
@@ -29,6 +35,7 @@ from exo_tasks.store.keys import (
     job_key,
     runner_key,
 )
+from exo_tasks.store.metrics import MetricRecords
 from exo_tasks.store.runners import RunnerRecords, UnreadableCommand
 
 __all__ = [
@@ -46,8 +53,19 @@ __all__ = [
 ]
 
 
-class Store(RunnerRecords, HostRecords, InstanceRecords, FileRecords, BatchRecords):
-    """Typed access to everything exo_tasks keeps in Redis."""
+class Store:
+    """Typed access to everything exo_tasks keeps in Redis, one part per concern."""
+
+    def __init__(self, client: redis.Redis, *, job_ttl_s: int = 24 * 3600) -> None:
+        # Any: as each part's (exo_tasks.store.client.RedisPart).
+        self.redis: Any = client
+        self.metrics = MetricRecords(client)
+        self.jobs = JobRecords(client, self.metrics, job_ttl_s=job_ttl_s)
+        self.runners = RunnerRecords(client, self.jobs)
+        self.hosts = HostRecords(client)
+        self.instances = InstanceRecords(client)
+        self.files = FileRecords(client)
+        self.batches = BatchRecords(client)
 
     @classmethod
     def from_url(cls, url: str, *, job_ttl_s: int = 24 * 3600) -> Store:

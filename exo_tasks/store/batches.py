@@ -8,22 +8,21 @@ killed goes over the same line again, the line has one result and is counted onc
 
 from __future__ import annotations
 
-from exo_tasks.batch.types import Batch, BatchStatus, RequestCounts
-from exo_tasks.store.client import RedisPart
-from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key, job_key
-from exo_tasks.types import JobRecord
+from exo_tasks.batch.lifecycle import BatchMove
+from exo_tasks.batch.types import Batch, RequestCounts
+from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
+from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key
 
-# KEYS: batch hash. ARGV: new status, record, then the statuses it may move from.
-MOVE = """
-local current = redis.call('HGET', KEYS[1], 'status')
-for i = 3, #ARGV do
-  if current == ARGV[i] then
-    redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
-    return 1
-  end
-end
-return 0
+# KEYS: batch hash. Arguments (NAMED_ARGS): `status`, the new one; `record`; `allowed_from`,
+# the statuses it may move from (`one_set`).
+MOVE = (
+    NAMED_ARGS
+    + """
+if not one_of(redis.call('HGET', KEYS[1], 'status'), a.allowed_from) then return 0 end
+redis.call('HSET', KEYS[1], 'status', a.status, 'record', a.record)
+return 1
 """
+)
 
 # KEYS: results hash, batch hash, inflight set. ARGV: line, result, counter field.
 RESULT = """
@@ -37,7 +36,7 @@ SPANS_PER_PUSH = 5000
 
 
 class BatchRecords(RedisPart):
-    def create_batch(self, batch: Batch) -> None:
+    def create(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=True)
         record = {"status": batch.status, "record": batch.model_dump_json()}
         pipe.hset(batch_key(batch.id), mapping=record)
@@ -45,7 +44,7 @@ class BatchRecords(RedisPart):
         pipe.sadd(BATCHES_OPEN, batch.id)
         pipe.execute()
 
-    def get_batch(self, batch_id: str) -> Batch | None:
+    def get(self, batch_id: str) -> Batch | None:
         """The batch, its request counts as they are now."""
         record, completed, failed = self.redis.hmget(
             batch_key(batch_id), "record", "completed", "failed"
@@ -62,32 +61,36 @@ class BatchRecords(RedisPart):
             batch = batch.model_copy(update={"request_counts": counts})
         return batch
 
-    def list_batches(self, after: str | None, limit: int) -> tuple[list[Batch], bool] | None:
+    def page(self, after: str | None, limit: int) -> tuple[list[Batch], bool] | None:
         """Batches newest first, from the one after `after`; whether more follow."""
         page = self.newest_after(BATCHES, after, limit)
         if page is None:
             return None
         ids, more = page
-        return [b for b in (self.get_batch(i) for i in ids) if b is not None], more
+        return [b for b in (self.get(i) for i in ids) if b is not None], more
 
-    def move_batch(self, batch: Batch, *allowed_from: BatchStatus) -> bool:
-        """Store `batch` if its stored status is one of `allowed_from` (compare-and-set: the
-        API's cancel and the feeder never overwrite each other)."""
-        args = [batch.status, batch.model_dump_json(), *allowed_from]
+    def move(self, move: BatchMove) -> bool:
+        """Execute one of exo_tasks.batch.lifecycle's moves; whether it was written."""
+        batch = move.batch
+        args = named(
+            status=batch.status,
+            record=batch.model_dump_json(),
+            allowed_from=one_set(move.allowed_from),
+        )
         return bool(self.script(MOVE)(keys=[batch_key(batch.id)], args=args))
 
-    def open_batches(self) -> list[str]:
+    def open_ids(self) -> list[str]:
         """The batches not yet ended, oldest first."""
         ids = self.redis.smembers(BATCHES_OPEN)
         scores = self.redis.zmscore(BATCHES, list(ids)) if ids else []
         return [i for _, i in sorted(zip((s or 0 for s in scores), ids, strict=True))]
 
-    def open_batch_reading(self, file_id: str) -> Batch | None:
+    def open_reading(self, file_id: str) -> Batch | None:
         """A batch not yet ended whose input is the file, if any."""
-        batches = (self.get_batch(batch_id) for batch_id in self.open_batches())
+        batches = (self.get(batch_id) for batch_id in self.open_ids())
         return next((b for b in batches if b and b.input_file_id == file_id and not b.ended), None)
 
-    def open_batch_count(self) -> int:
+    def open_count(self) -> int:
         return int(self.redis.scard(BATCHES_OPEN))
 
     # --- the feeder's parts ---
@@ -125,13 +128,6 @@ class BatchRecords(RedisPart):
         pipe.hset(batch_key(batch_id), "cursor", cursor)
         pipe.execute()
 
-    def job_records(self, job_ids: list[str]) -> list[JobRecord | None]:
-        """Jobs' records in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hget(job_key(job_id), "record")
-        return [JobRecord.model_validate_json(raw) if raw else None for raw in pipe.execute()]
-
     def inflight(self, batch_id: str) -> list[int]:
         return sorted(int(i) for i in self.redis.smembers(batch_key(batch_id, "inflight")))
 
@@ -154,12 +150,13 @@ class BatchRecords(RedisPart):
         ordered = [stored[k] for k in sorted(stored, key=int)]
         return [r[1:] for r in ordered if r[0] == OK], [r[1:] for r in ordered if r[0] == FAILED]
 
-    def close_batch(self, batch: Batch, ended_from: BatchStatus) -> bool:
-        """Store the ended batch (from `ended_from`), and drop what its feeder kept."""
-        if not self.move_batch(batch, ended_from):
+    def close(self, move: BatchMove) -> bool:
+        """Execute a move that ends the batch, and drop what its feeder kept."""
+        if not self.move(move):
             return False
+        batch_id = move.batch.id
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(*(batch_key(batch.id, part) for part in ("spans", "inflight", "results")))
-        pipe.srem(BATCHES_OPEN, batch.id)
+        pipe.delete(*(batch_key(batch_id, part) for part in ("spans", "inflight", "results")))
+        pipe.srem(BATCHES_OPEN, batch_id)
         pipe.execute()
         return True

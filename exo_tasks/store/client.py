@@ -3,6 +3,7 @@ out (exo_tasks.errors reads an out-of-memory reply)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -34,15 +35,38 @@ def redis_waits(exc: BaseException) -> bool:
     return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or is_out_of_memory(exc)
 
 
-class RedisPart:
-    """What every part of the store holds: the client and the job keys' expiry."""
+# The head of every script that takes its arguments by name (`named`): ARGV read into the table
+# `a`, and `one_of`, whether a value (false: a field that is not there) is in a set that
+# `one_set` passed.
+NAMED_ARGS = """
+local a = {}
+for i = 1, #ARGV, 2 do a[ARGV[i]] = ARGV[i + 1] end
+local function one_of(value, set)
+  return value and string.find(' ' .. set .. ' ', ' ' .. value .. ' ', 1, true) ~= nil
+end
+"""
+Arg = str | int | float
 
-    def __init__(self, client: redis.Redis, *, job_ttl_s: int = 24 * 3600) -> None:
+
+def named(**args: Arg) -> list[Arg]:
+    """A script's arguments by name, for a script that begins with NAMED_ARGS."""
+    return [item for pair in args.items() for item in pair]
+
+
+def one_set(values: Iterable[object]) -> str:
+    """A set of words (statuses, numbers) as one argument, for `one_of` or a script's own
+    `gmatch` (no word has a space)."""
+    return " ".join(map(str, values))
+
+
+class RedisPart:
+    """What every part of the store holds: the client the parts share, and its scripts."""
+
+    def __init__(self, client: redis.Redis) -> None:
         # Any: redis-py 8's annotations are not generic over decode_responses (every reply is
         # typed `bytes | str`, every pipeline reply Any), so a typed client would be a cast
         # per call; the store's methods are typed instead.
         self.redis: Any = client
-        self.job_ttl_s = job_ttl_s
         self._scripts: dict[str, Any] = {}
 
     def script(self, text: str) -> Any:

@@ -9,30 +9,25 @@ from exo_tasks.store.keys import FILES, file_key
 
 
 class FileRecords(RedisPart):
-    def put_file(self, meta: FileObject, content: str) -> None:
+    def put(self, meta: FileObject, content: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(file_key(meta.id, "content"), content)
         pipe.hset(file_key(meta.id), "meta", meta.model_dump_json())
         pipe.zadd(FILES, {meta.id: meta.created_at})
         pipe.execute()
 
-    def get_file(self, file_id: str) -> FileObject | None:
+    def get(self, file_id: str) -> FileObject | None:
         raw = self.redis.hget(file_key(file_id), "meta")
         return FileObject.model_validate_json(raw) if raw else None
 
-    def file_content(self, file_id: str) -> str | None:
+    def content(self, file_id: str) -> str | None:
         content: str | None = self.redis.get(file_key(file_id, "content"))
         return content
 
-    def file_exists(self, file_id: str) -> bool:
+    def exists(self, file_id: str) -> bool:
         return bool(self.redis.exists(file_key(file_id, "content")))
 
-    def file_range(self, file_id: str, start: int, end: int) -> str:
-        """Bytes [start, end) of a file (a line of a batch's input)."""
-        text: str = self.redis.getrange(file_key(file_id, "content"), start, end - 1)
-        return text
-
-    def list_files(self, after: str | None, limit: int) -> tuple[list[FileObject], bool] | None:
+    def page(self, after: str | None, limit: int) -> tuple[list[FileObject], bool] | None:
         """Files newest first, from the one after `after`; whether more follow. None if
         `after` is unknown."""
         page = self.newest_after(FILES, after, limit)
@@ -45,7 +40,7 @@ class FileRecords(RedisPart):
         files = [FileObject.model_validate_json(raw) for raw in pipe.execute() if raw]
         return files, more
 
-    def delete_file(self, file_id: str) -> bool:
+    def delete(self, file_id: str) -> bool:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(file_key(file_id), file_key(file_id, "content"))
         pipe.zrem(FILES, file_id)

@@ -38,7 +38,7 @@ return {hosts, runners}
 """
 
 
-# KEYS: live hosts. ARGV: host key prefix, milliseconds, host, then prefix keys. Sets each
+# KEYS: live hosts, then prefix keys. ARGV: host key prefix, milliseconds, host. Sets each
 # prefix key to the host, only where another host is live too: a lone host has no choice to
 # make, and writes nothing for each job.
 REMEMBER_PREFIXES = """
@@ -47,7 +47,7 @@ for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   live = live + redis.call('EXISTS', ARGV[1] .. name)
 end
 if live < 2 then return 0 end
-for i = 4, #ARGV do redis.call('SET', ARGV[i], ARGV[3], 'PX', ARGV[2]) end
+for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[3], 'PX', ARGV[2]) end
 return 1
 """
 
@@ -64,19 +64,19 @@ return 1
 class HostRecords(RedisPart):
     """Live hosts, the recovery lease and supervisor inboxes."""
 
-    def publish_host(self, state: HostState, ttl_s: float) -> None:
+    def publish(self, state: HostState, ttl_s: float) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(host_key(state.name), state.model_dump_json(), px=int(ttl_s * 1000))
         pipe.sadd(HOSTS, state.name)
         pipe.execute()
 
-    def remove_host(self, host: str) -> None:
+    def remove(self, host: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(host_key(host))
         pipe.srem(HOSTS, host)
         pipe.execute()
 
-    def get_host(self, host: str) -> HostState | None:
+    def get(self, host: str) -> HostState | None:
         raw = self.redis.get(host_key(host))
         return HostState.model_validate_json(raw) if raw else None
 
@@ -85,7 +85,7 @@ class HostRecords(RedisPart):
         before owners existed counts as held."""
         if job.owner is None or job.host is None:
             return True
-        host = self.get_host(job.host)
+        host = self.get(job.host)
         return host is not None and host.incarnation == job.owner
 
     def hold_lease(self, holder: str, ttl_s: float, key: str = RECOVERY_LEASE) -> bool:
@@ -105,9 +105,8 @@ class HostRecords(RedisPart):
     def remember_prefixes(self, model: str, digests: list[str], host: str, ttl_s: float) -> None:
         """`host` ran these prompt prefixes of `model` (exo_tasks.prefix_routing): each entry of
         the map says so for `ttl_s`, if two hosts or more are live."""
-        args = [host_key(""), int(ttl_s * 1000), host]
-        args += [prefix_key(model, digest) for digest in digests]
-        self.script(REMEMBER_PREFIXES)(keys=[HOSTS], args=args)
+        keys = [HOSTS, *(prefix_key(model, digest) for digest in digests)]
+        self.script(REMEMBER_PREFIXES)(keys=keys, args=[host_key(""), int(ttl_s * 1000), host])
 
     def prefix_hosts(self, model: str, digests: list[str]) -> list[str | None]:
         """The host that ran each of these prompt prefixes of `model` lately, or None."""

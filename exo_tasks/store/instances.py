@@ -14,7 +14,7 @@ from exo_tasks.instances import (
     may_move,
     move,
 )
-from exo_tasks.store.client import RedisPart
+from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
 from exo_tasks.store.keys import INSTANCES, instance_key
 
 # How often place() looks again when another writer moved the instance between its read and
@@ -30,21 +30,20 @@ redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """
 
-# KEYS: the instance's hash, its ranks, its addresses. ARGV: record, status, generation, the
-# generation it was made from, then the statuses it may move from. A new generation starts
-# with no rank records and no addresses.
-TRANSITION = """
-if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[4] then return 0 end
-local current = redis.call('HGET', KEYS[1], 'status')
-local allowed = false
-for i = 5, #ARGV do
-  if current == ARGV[i] then allowed = true end
-end
-if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'record', ARGV[1], 'status', ARGV[2], 'generation', ARGV[3])
-if ARGV[3] ~= ARGV[4] then redis.call('DEL', KEYS[2], KEYS[3]) end
+# KEYS: the instance's hash, its ranks, its addresses. Arguments (NAMED_ARGS): `record`,
+# `status`, `generation`; `from_generation`, the one it was made from; `allowed_from`, the
+# statuses it may move from (`one_set`). A new generation starts with no rank records and no
+# addresses.
+TRANSITION = (
+    NAMED_ARGS
+    + """
+if redis.call('HGET', KEYS[1], 'generation') ~= a.from_generation then return 0 end
+if not one_of(redis.call('HGET', KEYS[1], 'status'), a.allowed_from) then return 0 end
+redis.call('HSET', KEYS[1], 'record', a.record, 'status', a.status, 'generation', a.generation)
+if a.generation ~= a.from_generation then redis.call('DEL', KEYS[2], KEYS[3]) end
 return 1
 """
+)
 
 # KEYS: the instance's hash, then a hash of its ranks (records or addresses). ARGV: generation,
 # rank, value. Written only while the instance is of that generation.
@@ -58,7 +57,7 @@ return 1
 class InstanceRecords(RedisPart):
     """Instances, their ranks and their ranks' addresses."""
 
-    def place_instance(self, record: InstanceRecord) -> tuple[InstanceRecord, bool]:
+    def place(self, record: InstanceRecord) -> tuple[InstanceRecord, bool]:
         """Create `record` (Pending), or find the instance of that id: one that has stopped
         (Shutdown or Failed) is placed again (Pending, its next generation); a live one is
         returned as it is. Whether this call created or restarted it, with the record now."""
@@ -67,17 +66,17 @@ class InstanceRecords(RedisPart):
             args = [record.model_dump_json(), record.status, record.generation, record.id]
             if self.script(CREATE)(keys=keys, args=args):
                 return record, True
-            existing = self.get_instance(record.id)
+            existing = self.get(record.id)
             if existing is None:  # removed meanwhile: create it again
                 continue
             if not existing.status.is_final:
                 return existing, False
             restart = move(existing, PENDING)
-            if self.apply_instance_move(restart):
+            if self.apply(restart):
                 return restart.record, True
         raise RuntimeError(f"instance '{record.id}' kept changing while it was placed")
 
-    def apply_instance_move(self, instance_move: InstanceMove) -> bool:
+    def apply(self, instance_move: InstanceMove) -> bool:
         """Write the move if the stored instance still allows it (its status and generation)."""
         record = instance_move.record
         keys = [
@@ -85,16 +84,16 @@ class InstanceRecords(RedisPart):
             instance_key(record.id, "ranks"),
             instance_key(record.id, "addresses"),
         ]
-        args = [
-            record.model_dump_json(),
-            record.status,
-            record.generation,
-            instance_move.generation,
-            *instance_move.allowed_from,
-        ]
+        args = named(
+            record=record.model_dump_json(),
+            status=record.status,
+            generation=record.generation,
+            from_generation=instance_move.generation,
+            allowed_from=one_set(instance_move.allowed_from),
+        )
         return bool(self.script(TRANSITION)(keys=keys, args=args))
 
-    def transition_instance(
+    def transition(
         self,
         instance_id: str,
         to: InstanceStatus,
@@ -105,22 +104,22 @@ class InstanceRecords(RedisPart):
         """Move the instance to `to` from its status now, if the table allows it (and, with
         `generation`, only while it is of that generation); the record written, or None
         (unknown, not allowed, or moved by another writer meanwhile)."""
-        current = self.get_instance(instance_id)
+        current = self.get(instance_id)
         if current is None or not may_move(current.status, to):
             return None
         if generation is not None and current.generation != generation:
             return None
         instance_move = move(current, to, error=error)
-        return instance_move.record if self.apply_instance_move(instance_move) else None
+        return instance_move.record if self.apply(instance_move) else None
 
-    def get_instance(self, instance_id: str) -> InstanceRecord | None:
+    def get(self, instance_id: str) -> InstanceRecord | None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hget(instance_key(instance_id), "record")
         pipe.hgetall(instance_key(instance_id, "ranks"))
         raw, ranks = pipe.execute()
         return _with_ranks(raw, ranks) if raw else None
 
-    def list_instances(self) -> list[InstanceRecord]:
+    def all(self) -> list[InstanceRecord]:
         """Every instance, by id."""
         ids = sorted(self.redis.smembers(INSTANCES))
         pipe = self.redis.pipeline(transaction=False)
@@ -161,7 +160,7 @@ class InstanceRecords(RedisPart):
             found[int(rank)] = (address, int(port))
         return found
 
-    def remove_instance(self, instance_id: str) -> None:
+    def remove(self, instance_id: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(
             instance_key(instance_id),

@@ -12,12 +12,14 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import redis
 from pydantic import TypeAdapter, ValidationError
 
 from config.celery import PRIORITY_CLASSES
 from exo_tasks import fairness, lifecycle, metrics
 from exo_tasks.broker import queue_lists
 from exo_tasks.fleet_types import RunnerState
+from exo_tasks.store.client import Arg, RedisPart, named, one_set
 from exo_tasks.store.job_scripts import CREATE_UNLESS_FULL, TRANSITION
 from exo_tasks.store.keys import (
     ACTIVE_JOBS,
@@ -70,8 +72,14 @@ class JobWhereabouts:
     runner_id: str | None
 
 
-class JobRecords(MetricRecords):
-    """Job records and streams."""
+class JobRecords(RedisPart):
+    """Job records and streams; each ending is counted in `metrics`. A job's keys expire
+    `job_ttl_s` after its last move."""
+
+    def __init__(self, client: redis.Redis, metrics: MetricRecords, *, job_ttl_s: int) -> None:
+        super().__init__(client)
+        self.metrics = metrics
+        self.job_ttl_s = job_ttl_s
 
     def queue_depth(self, queue: str) -> int:
         """Messages waiting in a Celery queue, across its priority lists (kombu's layout)."""
@@ -80,7 +88,7 @@ class JobRecords(MetricRecords):
             pipe.llen(key)
         return sum(pipe.execute())
 
-    def create_job(
+    def create(
         self, job: JobRecord, queue: str, max_queued: int, client: str | None = None, quota: int = 0
     ) -> Admission:
         """Record a new job unless `queue` holds `max_queued` messages already or `client`
@@ -91,14 +99,19 @@ class JobRecords(MetricRecords):
         sets = [client_key(client, name) for name in classes] if client else []
         keys = [job_key(job.id), RECENT_JOBS, ACTIVE_JOBS, *sets, *queue_lists(queue)]
         created = job.created_at.timestamp()
-        args: list[str | int | float] = [
-            max_queued,
-            job.status,
-            job.model_dump_json(context=STORED),
-            created,
-        ]
-        args += [job.id, self.job_ttl_s, queue, len(sets), quota, created - self.job_ttl_s]
-        args += fairness.step_table(priority)
+        args = named(
+            max_queued=max_queued,
+            status=job.status,
+            record=job.model_dump_json(context=STORED),
+            created_at=created,
+            job_id=job.id,
+            ttl=self.job_ttl_s,
+            queue=queue,
+            sets=len(sets),
+            quota=quota,
+            oldest=created - self.job_ttl_s,
+            steps=one_set(fairness.step_table(priority)),
+        )
         depth, waiting, step = self.script(CREATE_UNLESS_FULL)(keys=keys, args=args)
         return Admission(int(depth), int(waiting), None if step < 0 else int(step))
 
@@ -114,16 +127,16 @@ class JobRecords(MetricRecords):
         raw = self.redis.hget(job_key(job_id), "priority")
         return int(raw) if raw is not None else None
 
-    def get_job(self, job_id: str) -> JobRecord | None:
+    def get(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hget(job_key(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
 
-    def final_job(self, done: DoneEvent) -> JobEnding:
+    def final(self, done: DoneEvent) -> JobEnding:
         """The job whole (its request, its logprobs), as it ended: from its record, which keeps
         what its ending does not repeat (as its ending has it if the record is gone)."""
-        return self.get_job(done.job.id) or done.job
+        return self.get(done.job.id) or done.job
 
-    def job_and_runner(
+    def with_runner(
         self, job_id: str, runner_id: str
     ) -> tuple[JobRecord | None, RunnerState | None]:
         """A job and the runner that would take it, in one round trip (a task's first step)."""
@@ -134,7 +147,7 @@ class JobRecords(MetricRecords):
         job = JobRecord.model_validate_json(job_raw) if job_raw else None
         return job, RunnerState.model_validate_json(runner_raw) if runner_raw else None
 
-    def list_jobs(
+    def recent(
         self, status: str | None = None, limit: int = 50, before: str | None = None
     ) -> list[JobRecord] | None:
         """Recent jobs, newest first, from the one after job `before` if given (None if that
@@ -148,8 +161,7 @@ class JobRecords(MetricRecords):
             if not ids:
                 break
             start += len(ids)
-            raws = self._pipeline_get(ids)
-            for job_id, raw in zip(ids, raws, strict=True):
+            for job_id, raw in zip(ids, self._raw_records(ids), strict=True):
                 if raw is None:
                     continue
                 try:
@@ -161,9 +173,14 @@ class JobRecords(MetricRecords):
                     jobs.append(job)
         return jobs[:limit]
 
-    def _pipeline_get(self, ids: Iterable[str]) -> list[str | None]:
+    def records(self, job_ids: Iterable[str]) -> list[JobRecord | None]:
+        """Jobs' records in one round trip."""
+        raws = self._raw_records(job_ids)
+        return [JobRecord.model_validate_json(raw) if raw else None for raw in raws]
+
+    def _raw_records(self, job_ids: Iterable[str]) -> list[str | None]:
         pipe = self.redis.pipeline(transaction=False)
-        for job_id in ids:
+        for job_id in job_ids:
             pipe.hget(job_key(job_id), "record")
         records: list[str | None] = pipe.execute()
         return records
@@ -176,28 +193,31 @@ class JobRecords(MetricRecords):
         args = self._transition_args(move)
         written = bool(self.script(TRANSITION)(keys=transition_keys(move.record.id), args=args))
         if written and move.record.is_terminal:  # counted once: only the first ending is written
-            self.write_metrics(metrics.job_ended(move.record))
+            self.metrics.write(metrics.job_ended(move.record))
         return written
 
-    def _transition_args(self, move: lifecycle.Move) -> list[str | int]:
+    def _transition_args(self, move: lifecycle.Move) -> list[Arg]:
         job, event = move.record, move.event
         event_name, event_data = "", ""
         if job.is_terminal:
-            # Its request and logprobs are kept in its record only (final_job reads them there).
+            # Its request and logprobs are kept in its record only (`final` reads them there).
             output = job.output.model_copy(update={"logprobs": None})
             event = DoneEvent(
                 event=lifecycle.ending_event(job), job=job.model_copy(update={"output": output})
             )
         if event is not None:
             event_name, event_data = event.event, event.model_dump_json(context=STORED)
-        args: list[str | int] = [
-            job.status,
-            job.model_dump_json(context=STORED),
-            event_name,
-            event_data,
-        ]
-        args += [self.job_ttl_s, move.owner or "", job.owner or "", job.id, *move.allowed_from]
-        return args
+        return named(
+            status=job.status,
+            record=job.model_dump_json(context=STORED),
+            event=event_name,
+            data=event_data,
+            ttl=self.job_ttl_s,
+            only_owner=move.owner or "",
+            owner=job.owner or "",
+            job_id=job.id,
+            allowed_from=one_set(move.allowed_from),
+        )
 
     def write_step(
         self,
@@ -234,7 +254,7 @@ class JobRecords(MetricRecords):
                 counts.write(pipe)
             pipe.execute()
 
-    def end_job(
+    def end(
         self,
         job_id: str,
         status: JobStatus,
@@ -244,7 +264,7 @@ class JobRecords(MetricRecords):
     ) -> bool:
         """End an active job from outside its runner, with the text its current attempt
         streamed so far (first writer wins). True if this call ended it."""
-        job = self.get_job(job_id)
+        job = self.get(job_id)
         if job is None or job.is_terminal:
             return False
         text, tokens = self.streamed_text(job_id)
@@ -258,15 +278,15 @@ class JobRecords(MetricRecords):
         )
         return self.apply(move)
 
-    def fail_job(self, job_id: str, error: str) -> bool:
-        return self.end_job(job_id, JobStatus.FAILED, error=error)
+    def fail(self, job_id: str, error: str) -> bool:
+        return self.end(job_id, JobStatus.FAILED, error=error)
 
-    def requeue_job(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
+    def requeue(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
         """Put an unfinished job back to `queued` for another attempt (its worker stopped or
         died); `only_from`: only while that worker incarnation still owns it. A job whose
         cancel was accepted ends `cancelled` instead: a cancel is final. Returns the record as
         requeued, or None if the job had ended or moved on."""
-        job = self.get_job(job_id)
+        job = self.get(job_id)
         if job is None or job.is_terminal or (only_from is not None and job.owner != only_from):
             return None
         if self.redis.hexists(job_key(job_id), "cancel"):
@@ -276,7 +296,7 @@ class JobRecords(MetricRecords):
         move = lifecycle.requeue(job, only_from_owner=only_from is not None)
         return move.record if self.apply(move) else None
 
-    def set_job_queue(self, job_id: str, queue: str) -> None:
+    def set_queue(self, job_id: str, queue: str) -> None:
         """Record the queue a job's message was sent to anew (jobs.resend)."""
         self.redis.hset(job_key(job_id), "queue", queue)
 
@@ -285,7 +305,7 @@ class JobRecords(MetricRecords):
         if its worker dies before the runner ends it."""
         self.redis.hset(job_key(job_id), "cancel", 1)
 
-    def active_jobs(self) -> list[JobWhereabouts]:
+    def active(self) -> list[JobWhereabouts]:
         """Every job queued or running, wherever it is: its status and whereabouts only (the
         recovery loop reads this every sweep; records can hold megabytes of prompt)."""
         ids = sorted(self.redis.smembers(ACTIVE_JOBS))

@@ -8,13 +8,13 @@ from exo_tasks.store.client import RedisPart
 
 
 class MetricRecords(RedisPart):
-    def write_metrics(self, observations: metrics.Observations) -> None:
+    def write(self, observations: metrics.Observations) -> None:
         pipe = self.redis.pipeline(transaction=False)
         observations.write(pipe)
         pipe.execute()
         observations.clear()
 
-    def read_metrics(self) -> dict[str, dict[str, str]]:
+    def read(self) -> dict[str, dict[str, str]]:
         """Every stored metric's hash, by metric name."""
         pipe = self.redis.pipeline(transaction=False)
         for metric in metrics.STORED:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import redis
 from pydantic import TypeAdapter, ValidationError
 
 from exo_tasks import lifecycle
 from exo_tasks.commands import RunnerCommand, SubmitJob
 from exo_tasks.fleet_types import RunnerState, StatusChange
+from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
 from exo_tasks.store.job_scripts import leave_waiting
 from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
@@ -24,25 +26,25 @@ RUNNER_HISTORY_KEPT = 50
 
 _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 
-# KEYS: job hash, the runner's jobs, the runner's inbox. ARGV: the job's record as running, its
-# id, the submit command, the worker incarnation that now owns it, the runner's id, the new
-# status, then the statuses it may move from (exo_tasks.lifecycle). A queued job is marked
-# running, counted as the runner's and put in its inbox at once; a job no longer queued
-# (cancelled meanwhile) is left alone.
-HAND_OVER = f"""
+# KEYS: job hash, the runner's jobs, the runner's inbox. Arguments (NAMED_ARGS): `record`, the
+# job's as running; `job_id`; `command`, the submit command; `owner`, the worker incarnation
+# that now owns it; `runner_id`; `status`, the new one; `allowed_from`, the statuses it may move
+# from (exo_tasks.lifecycle, `one_set`). A queued job is marked running, counted as the
+# runner's and put in its inbox at once; a job no longer queued (cancelled meanwhile) is left
+# alone.
+HAND_OVER = (
+    NAMED_ARGS
+    + f"""
 local current = redis.call('HGET', KEYS[1], 'status')
-local allowed = false
-for i = 7, #ARGV do
-  if current == ARGV[i] then allowed = true end
-end
-if not allowed then return 0 end
-{leave_waiting("ARGV[6]", "ARGV[2]")}
-redis.call('HSET', KEYS[1], 'status', ARGV[6], 'record', ARGV[1])
-redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'runner', ARGV[5])
-redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('RPUSH', KEYS[3], ARGV[3])
+if not one_of(current, a.allowed_from) then return 0 end
+{leave_waiting("a.status", "a.job_id")}
+redis.call('HSET', KEYS[1], 'status', a.status, 'record', a.record)
+redis.call('HSET', KEYS[1], 'owner', a.owner, 'runner', a.runner_id)
+redis.call('SADD', KEYS[2], a.job_id)
+redis.call('RPUSH', KEYS[3], a.command)
 return 1
 """
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,15 @@ class UnreadableCommand:
         return cls(job_id if isinstance(job_id, str) else None, problems)
 
 
-class RunnerRecords(JobRecords):
-    """Runner states, inboxes and the jobs handed to runners."""
+class RunnerRecords(RedisPart):
+    """Runner states, inboxes and the jobs handed to runners (which `jobs` ends or requeues
+    when their runner is gone)."""
 
-    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
+    def __init__(self, client: redis.Redis, jobs: JobRecords) -> None:
+        super().__init__(client)
+        self.jobs = jobs
+
+    def publish(self, state: RunnerState, *, status_changed: bool = True) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(runner_key(state.id), state.model_dump_json())
         pipe.sadd(RUNNERS, state.id)
@@ -82,16 +89,16 @@ class RunnerRecords(JobRecords):
             pipe.ltrim(runner_key(state.id, "history"), 0, RUNNER_HISTORY_KEPT - 1)
         pipe.execute()
 
-    def get_runner(self, runner_id: str) -> RunnerState | None:
+    def get(self, runner_id: str) -> RunnerState | None:
         raw = self.redis.get(runner_key(runner_id))
         return RunnerState.model_validate_json(raw) if raw else None
 
-    def list_runners(self) -> list[RunnerState]:
+    def all(self) -> list[RunnerState]:
         ids = sorted(self.redis.smembers(RUNNERS))
         raws = self.redis.mget([runner_key(i) for i in ids]) if ids else []
         return [RunnerState.model_validate_json(raw) for raw in raws if raw]
 
-    def runner_history(self, runner_id: str) -> list[StatusChange]:
+    def history(self, runner_id: str) -> list[StatusChange]:
         raws = self.redis.lrange(runner_key(runner_id, "history"), 0, -1)
         return [StatusChange.model_validate_json(raw) for raw in reversed(raws)]
 
@@ -103,21 +110,21 @@ class RunnerRecords(JobRecords):
         False if the job is no longer queued."""
         job = command.job
         keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
-        args = [
-            job.model_dump_json(context=STORED),
-            job.id,
-            command.model_dump_json(context=STORED),
-            job.owner or "",
-            runner_id,
-            job.status,
-            *lifecycle.HAND_OVER_FROM,
-        ]
+        args = named(
+            record=job.model_dump_json(context=STORED),
+            job_id=job.id,
+            command=command.model_dump_json(context=STORED),
+            owner=job.owner or "",
+            runner_id=runner_id,
+            status=job.status,
+            allowed_from=one_set(lifecycle.HAND_OVER_FROM),
+        )
         return bool(self.script(HAND_OVER)(keys=keys, args=args))
 
-    def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
+    def send(self, runner_id: str, command: RunnerCommand) -> None:
         self.redis.rpush(runner_key(runner_id, "inbox"), command.model_dump_json())
 
-    def next_runner_command(
+    def next_command(
         self, runner_id: str, timeout_s: float
     ) -> RunnerCommand | UnreadableCommand | None:
         reply = self.redis.blpop([runner_key(runner_id, "inbox")], timeout=timeout_s)
@@ -131,7 +138,7 @@ class RunnerRecords(JobRecords):
     def release_job(self, runner_id: str, job_id: str) -> None:
         self.redis.srem(runner_key(runner_id, "jobs"), job_id)
 
-    def take_runner_jobs(self, runner_id: str) -> list[str]:
+    def take_jobs(self, runner_id: str) -> list[str]:
         """The jobs handed to a runner that is gone; its unread inbox is dropped."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.smembers(runner_key(runner_id, "jobs"))
@@ -139,16 +146,13 @@ class RunnerRecords(JobRecords):
         job_ids, _ = pipe.execute()
         return sorted(job_ids)
 
-    def runner_jobs(self, runner_id: str) -> list[str]:
-        return sorted(self.redis.smembers(runner_key(runner_id, "jobs")))
+    def fail_jobs(self, runner_id: str, error: str) -> list[str]:
+        return [j for j in self.take_jobs(runner_id) if self.jobs.fail(j, error)]
 
-    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
-        return [j for j in self.take_runner_jobs(runner_id) if self.fail_job(j, error)]
+    def requeue_jobs(self, runner_id: str) -> list[str]:
+        return [j for j in self.take_jobs(runner_id) if self.jobs.requeue(j)]
 
-    def requeue_runner_jobs(self, runner_id: str) -> list[str]:
-        return [j for j in self.take_runner_jobs(runner_id) if self.requeue_job(j)]
-
-    def jobs_on_runners(self, runner_ids: list[str]) -> list[int]:
+    def job_counts(self, runner_ids: list[str]) -> list[int]:
         """How many jobs each runner holds (handed over and not yet ended)."""
         pipe = self.redis.pipeline(transaction=False)
         for runner_id in runner_ids:

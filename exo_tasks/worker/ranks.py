@@ -94,7 +94,7 @@ class RankKeeper:
                     log.exception("keeping the ranks failed; retrying")
 
     def keep_once(self) -> None:
-        instances = [i for i in self.store.list_instances() if self.host in i.hosts]
+        instances = [i for i in self.store.instances.all() if self.host in i.hosts]
         mine = {self._runner_id(i) for i in instances}
         ranks = [i for i, h in list(self.supervisor.handles.items()) if h.spec.rank is not None]
         for runner_id in ranks:
@@ -128,7 +128,7 @@ class RankKeeper:
 
     def _start_if_due(self, instance: InstanceRecord, rank: int) -> None:
         if rank == 0 and not self.leaving and not self._dead_hosts(instance):
-            self.store.transition_instance(instance.id, STARTING, generation=instance.generation)
+            self.store.instances.transition(instance.id, STARTING, generation=instance.generation)
 
     def _run_rank(self, instance: InstanceRecord, rank: int, handle: RunnerHandle | None) -> None:
         runner_id = self._runner_id(instance)
@@ -154,7 +154,7 @@ class RankKeeper:
         late = [r for r in instance.ranks if not r.status.accepts_jobs]
         waited = (utcnow() - instance.updated_at).total_seconds()
         if not late and rank == 0:
-            self.store.transition_instance(instance.id, READY, generation=instance.generation)
+            self.store.instances.transition(instance.id, READY, generation=instance.generation)
         elif late and waited > self.settings.runner_start_timeout_s:
             first = late[0]
             cause = f"not serving {waited:.0f}s after the start (EXO_RUNNER_START_TIMEOUT_S)"
@@ -170,7 +170,7 @@ class RankKeeper:
             self._stop(handle.spec.runner_id, how, requeue=instance.error is not None)
         elif all(r.status in FINAL for r in instance.ranks):
             to = FAILED if instance.error else SHUTDOWN
-            self.store.transition_instance(
+            self.store.instances.transition(
                 instance.id, to, error=instance.error, generation=instance.generation
             )
 
@@ -181,16 +181,16 @@ class RankKeeper:
         stopped = all(r.status in FINAL for r in instance.ranks)
         if since >= RESTART_DELAY_S and stopped and not self._dead_hosts(instance):
             log.info("instance starts again", extra={"instance": instance.id})
-            self.store.apply_instance_move(move(instance, PENDING))
+            self.store.instances.apply(move(instance, PENDING))
 
     def _fail(self, instance: InstanceRecord, error: str) -> None:
-        if self.store.transition_instance(
+        if self.store.instances.transition(
             instance.id, FAILED, error=error, generation=instance.generation
         ):
             log.error("instance failed", extra={"instance": instance.id, "error": error})
 
     def _dead_hosts(self, instance: InstanceRecord) -> list[str]:
-        return [h for h in instance.hosts if self.store.get_host(h) is None]
+        return [h for h in instance.hosts if self.store.hosts.get(h) is None]
 
     # --- this host's rank ---
 
@@ -223,14 +223,14 @@ class RankKeeper:
         """This worker is stopping: its instances shut down (warm: rank 0 drains), and fail
         with this host named, so that they start again once it is back."""
         self.leaving = True
-        for instance in self.store.list_instances():
+        for instance in self.store.instances.all():
             if self.host in instance.hosts and instance.status in (PENDING, STARTING, READY):
                 error = rank_failure(
                     instance.hosts.index(self.host), self.host, "its worker stopped"
                 )
                 mode: ShutdownMode = "hard" if hard else "warm"
                 leave = move(instance, SHUTTING_DOWN, error=error, shutdown_mode=mode)
-                self.store.apply_instance_move(leave)
+                self.store.instances.apply(leave)
 
     def _set_consumed(self, instance_id: str, serving: bool) -> None:
         if serving == (instance_id in self._consumed):
@@ -247,8 +247,8 @@ class RankKeeper:
         current = handle is not None and handle.spec.rank is not None
         current = current and handle.spec.rank.generation == instance.generation  # type: ignore[union-attr]
         if current and handle is not None and handle.process is not None:
-            state = self.store.get_runner(handle.spec.runner_id)
-            address = self.store.addresses(instance.id, instance.generation).get(rank)
+            state = self.store.runners.get(handle.spec.runner_id)
+            address = self.store.instances.addresses(instance.id, instance.generation).get(rank)
             update = {
                 "pid": handle.process.pid,
                 "status": state.status if state else record.status,
@@ -269,18 +269,18 @@ class RankKeeper:
         changed = record.model_copy(update=update)
         if changed != record:
             changed = changed.model_copy(update={"updated_at": utcnow()})
-            self.store.set_rank(instance.id, instance.generation, changed)
+            self.store.instances.set_rank(instance.id, instance.generation, changed)
 
     def _on_exit(self, handle: RunnerHandle, exitcode: int, cause: str) -> None:
         """The supervisor saw one of our ranks exit (any cause; in a thread of its own)."""
         spec = handle.spec
         assert spec.rank is not None
         self._stopping.discard(spec.runner_id)
-        last = self.store.get_runner(spec.runner_id)
+        last = self.store.runners.get(spec.runner_id)
         if last is not None and last.status == RunnerStatus.FAILED and last.error:
             cause = f"{last.error} ({cause})"  # it said why before it exited
         self._publish_exit(spec, exitcode, cause)
-        instance = self.store.get_instance(spec.rank.instance_id)
+        instance = self.store.instances.get(spec.rank.instance_id)
         if instance is None or instance.generation != spec.rank.generation:
             return
         clean = exitcode in (0, EXIT_STALE)
@@ -296,10 +296,10 @@ class RankKeeper:
             self._fail(instance, rank_failure(spec.rank.rank, spec.host, cause))
         if spec.rank.rank == 0:
             self._set_consumed(instance.id, False)
-            latest = self.store.get_instance(instance.id) or instance
+            latest = self.store.instances.get(instance.id) or instance
             ended = "failed" if latest.status is FAILED else "stopped"
             error = f"instance {instance.id} {ended}: {latest.error or cause}"
-            failed = self.store.fail_runner_jobs(spec.runner_id, error)
+            failed = self.store.runners.fail_jobs(spec.runner_id, error)
             if failed:
                 log.error("jobs failed with their instance", extra={"jobs": ",".join(failed)})
         log.info("rank exited", extra={"runner": spec.runner_id, "cause": exit_cause(exitcode)})
@@ -307,20 +307,20 @@ class RankKeeper:
     def _publish_exit(self, spec: RunnerSpec, exitcode: int, cause: str) -> None:
         """The rank runner's last state, as the supervisor publishes a runner's: Shutdown after
         a clean exit (it said so itself), else Failed with the cause."""
-        last = self.store.get_runner(spec.runner_id) or spec.first_state()
+        last = self.store.runners.get(spec.runner_id) or spec.first_state()
         if exitcode == EXIT_STALE:
             cause = "start abandoned: its instance moved on"
         to = RunnerStatus.SHUTDOWN if exitcode == 0 else RunnerStatus.FAILED
         error = None if exitcode == 0 else cause
         final = lifecycle.move_runner(last, to, error=error, active_jobs=0, updated_at=utcnow())
         if final is not None:
-            self.store.publish_runner(final)
+            self.store.runners.publish(final)
 
     def _await_cause(self, instance: InstanceRecord) -> InstanceRecord:
         """Wait (bounded) for the rank that died, or its host, to be named as the cause."""
         deadline = time.monotonic() + PEER_CAUSE_WAIT_S
         while time.monotonic() < deadline:
-            latest = self.store.get_instance(instance.id)
+            latest = self.store.instances.get(instance.id)
             if latest is None or latest.status.is_final:
                 return latest or instance
             dead = self._dead_hosts(instance)

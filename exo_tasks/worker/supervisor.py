@@ -92,7 +92,7 @@ class RunnerSupervisor:
 
     def _spawn(self, handle: RunnerHandle) -> None:
         spec = handle.spec.model_copy(update={"restarts": handle.restarts})
-        self.store.publish_runner(
+        self.store.runners.publish(
             lifecycle.spawned_runner(
                 spec.runner_id, spec.host, spec.model, restarts=handle.restarts
             )
@@ -143,7 +143,7 @@ class RunnerSupervisor:
                 log.error("runner is hung; stopping it", extra={"runner": runner_id, "why": stall})
                 handle.stall = stall
                 if handle.spec.rank is None:  # a rank's jobs fail with its instance's cause
-                    self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {stall}")
+                    self.store.runners.fail_jobs(runner_id, f"runner {runner_id} failed: {stall}")
                 in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
 
     def _on_exit(self, handle: RunnerHandle) -> None:
@@ -167,7 +167,7 @@ class RunnerSupervisor:
             elif process.exitcode == runner_process.EXIT_UNLOADED:
                 # Idle, it unloaded its model: no restart; the next job asks for a start. A job
                 # handed over as it exited was never started: back to the queue.
-                requeued = self.store.requeue_runner_jobs(handle.spec.runner_id)
+                requeued = self.store.runners.requeue_jobs(handle.spec.runner_id)
                 log.info("runner unloaded (idle)", extra={"runner": handle.spec.runner_id})
                 if requeued:
                     log.info("jobs requeued", extra={"jobs": ",".join(requeued)})
@@ -184,13 +184,13 @@ class RunnerSupervisor:
         """A crash or a hang: fail its jobs at once, then restart it with backoff (bounded).
         `final`: a configuration error, which no restart would cure."""
         runner_id = handle.spec.runner_id
-        last = self.store.get_runner(runner_id)
+        last = self.store.runners.get(runner_id)
         if last is not None and last.status == RunnerStatus.FAILED and last.error:
             # The runner said why before it exited (a crash, a model that did not load): keep
             # its words next to the exit cause. (Its state is fresh since its spawn.)
             cause = f"{last.error} ({cause})"
         log.error("runner failed", extra={"runner": runner_id, "cause": cause})
-        failed = self.store.fail_runner_jobs(runner_id, f"runner {runner_id} failed: {cause}")
+        failed = self.store.runners.fail_jobs(runner_id, f"runner {runner_id} failed: {cause}")
         if failed:
             log.error(
                 "jobs failed with their runner",
@@ -217,12 +217,12 @@ class RunnerSupervisor:
     def _record_stop(self, handle: RunnerHandle, stop: StopRunner, cause: str) -> None:
         """An intended stop: exit 0 after `Shutdown` is clean; anything else is a failure."""
         runner_id = handle.spec.runner_id
-        last = self.store.get_runner(runner_id)
+        last = self.store.runners.get(runner_id)
         clean = cause == "exitcode=0" and last is not None and last.status == RunnerStatus.SHUTDOWN
         if stop.requeue:
-            self.store.requeue_runner_jobs(runner_id)
+            self.store.runners.requeue_jobs(runner_id)
         else:
-            self.store.fail_runner_jobs(runner_id, f"runner {runner_id} stopped: {cause}")
+            self.store.runners.fail_jobs(runner_id, f"runner {runner_id} stopped: {cause}")
         if not clean:
             self._publish(handle, last, RunnerStatus.FAILED, cause)
         log.info("runner stopped", extra={"runner": runner_id, "cause": cause, "clean": clean})
@@ -235,7 +235,7 @@ class RunnerSupervisor:
                     self._spawn(handle)
                     restart = metrics.Observations()
                     restart.inc(metrics.RUNNER_RESTARTS, model=handle.spec.model, host=self.host)
-                    self.store.write_metrics(restart)
+                    self.store.metrics.write(restart)
 
     def _publish(
         self,
@@ -260,14 +260,14 @@ class RunnerSupervisor:
             next_restart_at=next_restart_at,
         )
         if moved is not None:
-            self.store.publish_runner(moved, status_changed=True)
+            self.store.runners.publish(moved, status_changed=True)
 
     # --- requests from the shutdown_runner and load_runner tasks ---
 
     def _serve_requests(self) -> None:
         while not self._closing.is_set():
             try:
-                request = self.store.next_supervisor_request(self.host, CONTROL_POLL_S)
+                request = self.store.hosts.next_supervisor_request(self.host, CONTROL_POLL_S)
             except Exception:
                 log.exception("reading supervisor requests failed; retrying")
                 time.sleep(CONTROL_POLL_S)
@@ -298,7 +298,7 @@ class RunnerSupervisor:
     def start_runner(self, runner_id: str) -> None:
         handle = self.handles[runner_id]
         process = handle.process
-        state = self.store.get_runner(runner_id)
+        state = self.store.runners.get(runner_id)
         unloaded = state is not None and state.status == RunnerStatus.UNLOADED
         # Unloaded, its process is on its way out: let it go, then start a new one.
         if process is not None and unloaded and self._wait_exit(process, TERM_WAIT_S):
@@ -327,11 +327,11 @@ class RunnerSupervisor:
         if on_purpose:
             self.on_serving(handle.spec.model, False)
         if process is None:
-            self._publish(handle, self.store.get_runner(runner_id), RunnerStatus.SHUTDOWN, None)
+            self._publish(handle, self.store.runners.get(runner_id), RunnerStatus.SHUTDOWN, None)
             return "not running"
         extra = {"runner": runner_id, "pid": process.pid}
         log.info("stopping runner", extra={**extra, "mode": command.mode, "grace_s": grace_s})
-        self.store.send_to_runner(runner_id, command)
+        self.store.runners.send(runner_id, command)
         if not self._wait_exit(process, grace_s):
             log.warning("runner did not stop within grace; sending SIGTERM", extra=extra)
             self._signal(process, signal.SIGTERM)

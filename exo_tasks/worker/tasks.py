@@ -61,10 +61,10 @@ class InferenceTask(Task):  # type: ignore[type-arg]
         # A hard time limit kills the pool child; Celery then calls this in the main process.
         if isinstance(exc, TimeLimitExceeded):
             app = cast(ExoCelery, self.app)
-            job = app.store.get_job(task_id)
-            app.store.fail_job(task_id, f"hard time limit exceeded ({exc.args[0]}s)")
+            job = app.store.jobs.get(task_id)
+            app.store.jobs.fail(task_id, f"hard time limit exceeded ({exc.args[0]}s)")
             if job is not None and job.runner_id is not None:
-                app.store.send_to_runner(job.runner_id, CancelJob(job_id=task_id))
+                app.store.runners.send(job.runner_id, CancelJob(job_id=task_id))
 
 
 @task_failure.connect
@@ -134,7 +134,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
             return task_states.finish(self, job_id, prepared.job)
         attempt = _hand_over(self, prepared, runner_id)
         if attempt is None:
-            return task_states.finish(self, job_id, store.get_job(job_id))  # cancelled meanwhile
+            return task_states.finish(self, job_id, store.jobs.get(job_id))  # cancelled meanwhile
         log.info("job handed to runner", extra=extra)
         max_tokens = prepared.job.request.max_tokens
         progress = task_states.TaskProgress(self, max_tokens, attempt.events_before)
@@ -154,7 +154,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         log.warning("soft time limit reached; ending the job", extra=extra)
         return task_states.finish(self, job_id, _after_soft_limit(store, job_id, attempt))
     except ExoError as exc:
-        store.fail_job(job_id, exc.message)
+        store.jobs.fail(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
         raise
 
@@ -184,7 +184,7 @@ def _remember_prefixes(task: Task[Any, Any], job: JobRecord, final: JobEnding) -
     if not digests:
         return
     try:
-        _app(task).store.remember_prefixes(
+        _app(task).store.hosts.remember_prefixes(
             job.model, digests, settings.hostname, settings.prefix_routing_ttl_s
         )
     except redis.RedisError as exc:  # a hint: the job has succeeded all the same
@@ -195,7 +195,7 @@ def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
     """Read the job and its runner; decide from the job's status whether this delivery runs
     it. A running job whose worker is gone is requeued first (this delivery then runs it)."""
     try:
-        job, state = store.job_and_runner(job_id, runner_id)
+        job, state = store.jobs.with_runner(job_id, runner_id)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
     delivery = lifecycle.on_delivery(job)
@@ -205,11 +205,11 @@ def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
     if delivery is lifecycle.Delivery.ENDED:
         return Skipped(job)
     if delivery is lifecycle.Delivery.REDELIVERED:
-        if store.owner_is_live(job):
+        if store.hosts.owner_is_live(job):
             extra = {"job_id": job_id, "runner": runner_id}
             log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
             return Skipped(job)
-        job = store.requeue_job(job_id, only_from=job.owner) or job
+        job = store.jobs.requeue(job_id, only_from=job.owner) or job
     return Prepared(job, state)
 
 
@@ -223,13 +223,13 @@ def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Atte
     )
     # A first attempt has no ending and no events yet: no round trip to find where it starts.
     first = lifecycle.is_first_attempt(job)
-    after, events_before = ("0-0", 0) if first else store.attempt_start(job.id)
+    after, events_before = ("0-0", 0) if first else store.jobs.attempt_start(job.id)
     started = lifecycle.start(
         job, host=settings.hostname, runner_id=runner_id, owner=app.incarnation
     )
     soft_deadline, deadline = _limits(task, job).deadlines(time.time())
     command = SubmitJob(job=started, soft_deadline=soft_deadline, deadline=deadline)
-    if not store.hand_over(runner_id, command):
+    if not store.runners.hand_over(runner_id, command):
         return None
     return Attempt(runner, after, events_before)
 
@@ -247,8 +247,8 @@ def _after_soft_limit(store: Store, job_id: str, attempt: Attempt | None) -> Job
     ending written just before the limit counts."""
     if attempt is None:
         _time_out(store, job_id)
-        return store.get_job(job_id)
-    store.send_to_runner(attempt.runner.id, CancelJob(job_id=job_id, reason="time_limit"))
+        return store.jobs.get(job_id)
+    store.runners.send(attempt.runner.id, CancelJob(job_id=job_id, reason="time_limit"))
     until = time.monotonic() + CANCEL_ACK_S
     return _follow(store, job_id, attempt.runner, attempt.after, until)
 
@@ -267,13 +267,13 @@ def _await_runner(
             _refuse_if_stopped(runner_id, state, pinned)
             if state.status == RunnerStatus.UNLOADED and not start_asked:
                 # Its idle model was unloaded: load it again.
-                store.send_to_supervisor(state.host, StartRunnerRequest(runner_id=runner_id))
+                store.hosts.send_to_supervisor(state.host, StartRunnerRequest(runner_id=runner_id))
                 start_asked = True
         if time.monotonic() > deadline:
             raise RunnerGone(f"runner {runner_id} not ready after {timeout_s:.0f}s")
         time.sleep(0.1)
         try:
-            state = store.get_runner(runner_id)
+            state = store.runners.get(runner_id)
         except (redis.ConnectionError, redis.TimeoutError):
             state = None  # Redis is restarting: keep waiting, within the same bound
     return state
@@ -304,7 +304,7 @@ def _follow(
     only for a runner that died silently and for the progress report."""
     while True:
         try:
-            for _, ending in store.read_endings(job_id, after, block_ms=WAIT_SLICE_MS):
+            for _, ending in store.jobs.read_endings(job_id, after, block_ms=WAIT_SLICE_MS):
                 if isinstance(ending, RequeuedEvent):
                     raise Reject("runner stopped before the job finished; requeued", requeue=True)
                 return ending.job
@@ -322,11 +322,11 @@ def _check_on(
 ) -> None:
     """Between two waits: report progress; end the job if its runner is gone or `until` has
     passed. Each ending is appended to the job's endings, which the next wait returns."""
-    current, events = store.runner_and_events(runner.id, job_id)
+    current, events = store.jobs.runner_and_events(runner.id, job_id)
     if progress is not None:
         progress.update(events)
     if current is None or current.pid != runner.pid or current.status.is_final:
-        store.fail_job(job_id, f"runner {runner.id} stopped while running the job")
+        store.jobs.fail(job_id, f"runner {runner.id} stopped while running the job")
     elif until is not None and time.monotonic() > until:
         _time_out(store, job_id)
 
@@ -334,7 +334,7 @@ def _check_on(
 def _time_out(store: Store, job_id: str) -> None:
     """The runner did not end the job after the soft limit, or never had it: record it as
     timed out ourselves."""
-    store.end_job(job_id, JobStatus.TIMED_OUT, finish_reason="time_limit")
+    store.jobs.end(job_id, JobStatus.TIMED_OUT, finish_reason="time_limit")
 
 
 # --- runner control, on the host's own queue ---
@@ -348,7 +348,7 @@ def shutdown_runner(
     (bounded) until it has stopped, or turns out to be another process (the request is stale)."""
     app = _app(self)
     command = StopRunner.model_validate({"mode": mode, "timeout_s": timeout_s})
-    app.store.send_to_supervisor(
+    app.store.hosts.send_to_supervisor(
         app.settings.hostname, StopRunnerRequest(runner_id=runner_id, command=command, pid=pid)
     )
     bound = timeout_s + 1.0 + TERM_WAIT_S + KILL_WAIT_S + 5.0
@@ -364,7 +364,9 @@ def shutdown_runner(
 def load_runner(self: Task[Any, Any], runner_id: str) -> dict[str, Any]:
     """Ask this host's supervisor to start a stopped runner; wait until it takes jobs."""
     app = _app(self)
-    app.store.send_to_supervisor(app.settings.hostname, StartRunnerRequest(runner_id=runner_id))
+    app.store.hosts.send_to_supervisor(
+        app.settings.hostname, StartRunnerRequest(runner_id=runner_id)
+    )
     state = _await_status(
         app.store, runner_id, lambda s: s.status.accepts_jobs, app.settings.runner_start_timeout_s
     )
@@ -374,7 +376,7 @@ def load_runner(self: Task[Any, Any], runner_id: str) -> dict[str, Any]:
 def _await_status(store: Store, runner_id: str, reached: Any, timeout_s: float) -> RunnerState:
     deadline = time.monotonic() + timeout_s
     while True:
-        state = store.get_runner(runner_id)
+        state = store.runners.get(runner_id)
         if state is not None and reached(state):
             return state
         if time.monotonic() > deadline:

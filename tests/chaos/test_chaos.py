@@ -79,7 +79,7 @@ class Chaos:
         return sum(1 for j in jobs.values() if j.get("status") not in TERMINAL_JOB_STATUSES)
 
     def done_events(self, job_id: str) -> int:
-        return [e.event for _, e in self.store.read_events(job_id)].count("done")
+        return [e.event for _, e in self.store.jobs.read_events(job_id)].count("done")
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_kill_9_of_a_worker_while_it_fetches_loses_none(chaos: Chaos, reliabilit
             sum(
                 1
                 for j in ids
-                if (job := chaos.store.get_job(j)) is not None
+                if (job := chaos.store.jobs.get(j)) is not None
                 and job.runner_id == "tiny@chaos-a"
                 and job.status == "running"
             )
@@ -120,8 +120,8 @@ def test_kill_9_of_a_worker_while_it_fetches_loses_none(chaos: Chaos, reliabilit
         "jobs running on the victim",
         interval_s=0.01,
     )
-    waiting = chaos.store.queue_depth("exo.model.tiny")
-    runner_pid = chaos.store.get_runner("tiny@chaos-a").pid  # type: ignore[union-attr]
+    waiting = chaos.store.jobs.queue_depth("exo.model.tiny")
+    runner_pid = chaos.store.runners.get("tiny@chaos-a").pid  # type: ignore[union-attr]
     assert runner_pid is not None
     killed = time.monotonic()
     victim.process.send_signal(signal.SIGKILL)
@@ -161,7 +161,7 @@ def test_sigterm_with_100_jobs_queued_then_restart_completes_all(
     worker.process.send_signal(signal.SIGTERM)
     worker.process.wait(timeout=40)
     stopped_s = time.monotonic() - started
-    queued = [j for j in ids if (job := chaos.store.get_job(j)) and job.status == "queued"]
+    queued = [j for j in ids if (job := chaos.store.jobs.get(j)) and job.status == "queued"]
     assert len(queued) > 50  # most never started: they waited in Redis
     chaos.worker("chaos-term", worker_concurrency=8)
     jobs = chaos.outcome(ids, timeout_s=90)
@@ -182,7 +182,7 @@ def test_redis_killed_and_restarted_while_jobs_run(chaos: Chaos, reliability: Re
     chaos.worker("chaos-redis", worker_concurrency=4)
     ids = submit_many(chaos.api, 12, max_tokens=400, ignore_eos=True)
     wait_until(
-        lambda: any((j := chaos.store.get_job(i)) and j.status == "running" for i in ids),
+        lambda: any((j := chaos.store.jobs.get(i)) and j.status == "running" for i in ids),
         10,
         "a running job",
     )
@@ -241,7 +241,7 @@ def test_redis_down_longer_than_a_heartbeat_requeues_and_fails_nothing(
         chaos.api.submit(prompt=f"through {h}", max_tokens=1500, ignore_eos=True, host=h)
         for h in hosts
     ]
-    wait_until(lambda: all(chaos.store.streamed_text(j)[1] > 0 for j in ids), 10, "tokens")
+    wait_until(lambda: all(chaos.store.jobs.streamed_text(j)[1] > 0 for j in ids), 10, "tokens")
     chaos.redis.process.send_signal(signal.SIGKILL)
     chaos.redis.process.wait(timeout=5)
     outage_s = HEARTBEAT_TTL_S + 3
@@ -251,7 +251,7 @@ def test_redis_down_longer_than_a_heartbeat_requeues_and_fails_nothing(
     assert {(j["status"], j["attempts"]) for j in jobs.values()} == {("succeeded", 0)}, jobs
     assert all(chaos.done_events(j) == 1 for j in ids)
     for host in hosts:
-        statuses = [change.status for change in chaos.store.runner_history(f"tiny@{host}")]
+        statuses = [change.status for change in chaos.store.runners.history(f"tiny@{host}")]
         assert "Failed" not in statuses, (host, statuses)
     reliability.add(
         Case(
@@ -269,7 +269,7 @@ def test_streaming_clients_get_an_error_when_the_runner_dies(
 ) -> None:
     chaos.worker("chaos-stream")
     ids = submit_many(chaos.api, 5, max_tokens=4000, ignore_eos=True, host="chaos-stream")
-    wait_until(lambda: all(chaos.store.streamed_text(i)[1] > 0 for i in ids), 10, "tokens")
+    wait_until(lambda: all(chaos.store.jobs.streamed_text(i)[1] > 0 for i in ids), 10, "tokens")
     last_events: dict[str, str] = {}
     ended_at: dict[str, float] = {}
 
@@ -286,7 +286,7 @@ def test_streaming_clients_get_an_error_when_the_runner_dies(
     for reader in readers:
         reader.start()
     wait_until(lambda: all(i in last_events for i in ids), 10, "every stream to have begun")
-    pid = chaos.store.get_runner("tiny@chaos-stream").pid  # type: ignore[union-attr]
+    pid = chaos.store.runners.get("tiny@chaos-stream").pid  # type: ignore[union-attr]
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
     for reader in readers:
@@ -296,7 +296,7 @@ def test_streaming_clients_get_an_error_when_the_runner_dies(
     assert slowest < 2
     wait_until(
         lambda: (
-            (s := chaos.store.get_runner("tiny@chaos-stream"))
+            (s := chaos.store.runners.get("tiny@chaos-stream"))
             and s.pid != pid
             and s.status == "Ready"
         ),

@@ -148,7 +148,7 @@ def hand_over_raw(stack: Stack, command: dict[str, Any] | str) -> str:
     """Record a running job and put `command` (its submit command, as given) in the runner's
     inbox, as the job's task would, but without checking what it writes."""
     job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=JobRequest(prompt="x"))
-    stack.store.create_job(job, "exo.hostile.unused", 1000)
+    stack.store.jobs.create(job, "exo.hostile.unused", 1000)
     running = job.model_copy(
         update={
             "status": JobStatus.RUNNING,
@@ -326,7 +326,7 @@ def test_a_stream_resumed_past_a_running_jobs_end_ends_when_the_job_ends(
     """Its `done` event, whose id is lower than the one asked for, was dropped: keepalives for
     ever, and a stream slot held."""
     job_id = stack.api.submit(prompt="resumed", max_tokens=200, ignore_eos=True)
-    wait_until(lambda: stack.store.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(lambda: stack.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
     if past == "next":  # a millisecond after its last event so far
         (last_id, _), *_ = stack.store.redis.xrevrange(events_key(job_id), count=1)
         past = f"{int(last_id.split('-')[0]) + 1}-0"
@@ -367,7 +367,7 @@ def test_job_keys_expire_and_summaries_leave_the_prompt_out(stack: Stack) -> Non
     assert response.status_code == 202 and len(response.content) < 2_000
     job_id = response.json()["id"]
     assert "prompt" not in response.json()["request"]
-    ttl = stack.store.job_ttl_s
+    ttl = stack.store.jobs.job_ttl_s
     assert 0 < stack.store.redis.ttl(job_key(job_id)) <= ttl  # even while queued
     job = stack.api.wait_job(job_id)
     assert job["request"]["prompt"] == prompt  # the job itself keeps it all
@@ -397,7 +397,7 @@ def test_a_full_redis_refuses_writes_with_503_and_evicts_nothing(
         store = api.app.extensions["exo"].store
         # A live host serving the model, as far as the API can tell (it reads Redis only).
         host = HostState(name="host-a", pid=1, models=["tiny"], started_at=utcnow())
-        store.publish_host(host, ttl_s=600)
+        store.hosts.publish(host, ttl_s=600)
         fillers = 0
         for size in (10_000, 100):  # up to the last few bytes
             with pytest.raises(redis_lib.exceptions.OutOfMemoryError):
@@ -412,7 +412,7 @@ def test_a_full_redis_refuses_writes_with_503_and_evicts_nothing(
         # out, as it waits for an unreachable Redis, instead of failing its jobs.
         job = JobRecord(id="late", model="tiny", request=JobRequest(prompt="x"))
         with pytest.raises(redis_lib.ResponseError) as refused_script:
-            store.create_job(job, "exo.model.tiny", 1000)
+            store.jobs.create(job, "exo.model.tiny", 1000)
         with pytest.raises(redis_lib.ResponseError) as refused_write:
             store.redis.xadd(events_key("late"), {"data": "x" * 10_000})
         assert redis_waits(refused_script.value) and redis_waits(refused_write.value)
@@ -443,7 +443,7 @@ def runner(processes: Processes, tmp_path: Path, tiny_model: Path) -> Runner:
 def admit(runner: Runner, request: JobRequest) -> str:
     """Hand a job to the runner as its task would, and let the runner take it."""
     job = JobRecord(id=uuid.uuid4().hex, model="tiny", request=request)
-    runner.store.create_job(job, "exo.model.tiny", 1000)
+    runner.store.jobs.create(job, "exo.model.tiny", 1000)
     started = job.model_copy(
         update={
             "status": JobStatus.RUNNING,
@@ -452,7 +452,7 @@ def admit(runner: Runner, request: JobRequest) -> str:
         }
     )
     command = SubmitJob(job=started, soft_deadline=time.time() + 60, deadline=time.time() + 90)
-    assert runner.store.hand_over(runner.spec.runner_id, command)
+    assert runner.store.runners.hand_over(runner.spec.runner_id, command)
     runner._handle(command)
     return job.id
 
@@ -479,18 +479,18 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
     while runner.active:
         runner._step()
 
-    failed = store.get_job(bad)
+    failed = store.jobs.get(bad)
     assert failed is not None and failed.status == "failed"
     assert failed.error is not None and failed.error.startswith(
         "could not start the job: TypeError"
     )
-    refused = store.get_job(over)
+    refused = store.jobs.get(over)
     assert refused is not None and refused.status == "failed"
     assert refused.error == (
         "the prompt is 41 tokens after the chat template; at most 40 (EXO_MAX_PROMPT_TOKENS)"
     )
     for job_id in (beside, at_cap):
-        job = store.get_job(job_id)
+        job = store.jobs.get(job_id)
         assert job is not None and job.status == "succeeded", job
     assert store.redis.scard(f"{runner_key('tiny@here')}:jobs") == 0
 

@@ -118,7 +118,7 @@ def test_clients_filling_redis_leave_room_for_the_fleet(
         assert api.post("/v1/chat/completions", json=chat).status_code == 503
 
         # The fleet's writes go on: heartbeats, a cancel, the bystander's tokens and ending.
-        beat = store.get_host("st-full")
+        beat = store.hosts.get("st-full")
         assert beat is not None
         wait_until(lambda: newer_beat(store, beat.updated_at), 10, "a heartbeat written")
         assert api.post(f"/v1/jobs/{to_cancel}/cancel").status_code == 202
@@ -127,12 +127,12 @@ def test_clients_filling_redis_leave_room_for_the_fleet(
         bystander.reader.join(30)
         assert job["status"] == "succeeded" and bystander.ending["status"] == "succeeded"
         assert "".join(bystander.tokens) == job["output"]["text"] and len(bystander.tokens) == 3000
-        used, limit = store.memory()
+        used, limit = store.metrics.memory()
         assert used < limit
 
 
 def newer_beat(store: Store, than: datetime) -> bool:
-    state = store.get_host("st-full")
+    state = store.hosts.get("st-full")
     return state is not None and state.updated_at > than
 
 

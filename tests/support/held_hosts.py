@@ -36,12 +36,12 @@ def held_hosts(store: Store, *hosts: str, models: Sequence[str] = ()) -> Iterato
             models=list(models),
             started_at=utcnow(),
         )
-        store.publish_host(state, HELD_TTL_S)
+        store.hosts.publish(state, HELD_TTL_S)
     try:
         yield list(hosts)
     finally:
         for host in hosts:
-            store.remove_host(host)
+            store.hosts.remove(host)
 
 
 def move_instance(
@@ -49,14 +49,14 @@ def move_instance(
 ) -> None:
     """The instance moved through `statuses` as its hosts' supervisors would move it."""
     for status in statuses:
-        assert store.transition_instance(instance_id, status, error=error), status
+        assert store.instances.transition(instance_id, status, error=error), status
 
 
 @contextlib.contextmanager
 def held_runner(store: Store, state: RunnerState) -> Iterator[RunnerState]:
     """A runner's state published as its supervisor publishes it, on a held host, and gone
     (state, history, its place in the runner list) at the block's end."""
-    store.publish_runner(state)
+    store.runners.publish(state)
     try:
         yield state
     finally:

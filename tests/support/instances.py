@@ -39,7 +39,7 @@ class Pair:
     api: Api
 
     def instance(self) -> InstanceRecord:
-        record = self.store.get_instance(self.instance_id)
+        record = self.store.instances.get(self.instance_id)
         assert record is not None
         return record
 
@@ -98,7 +98,7 @@ def running_pair(redis_url: str, store: Store, data_dir: Path, model: Path) -> I
         for host in HOSTS:
             (data_dir / host).mkdir(parents=True, exist_ok=True)
             workers[host] = start_worker(processes, redis_url, host, [whole], data_dir / host)
-        wait_until(lambda: all(store.get_host(h) for h in HOSTS), 90, "both hosts' heartbeats")
+        wait_until(lambda: all(store.hosts.get(h) for h in HOSTS), 90, "both hosts' heartbeats")
         with serving(api_settings(redis_url, [whole])) as api:
             placed = place(api, model)
             pair = Pair(redis_url, store, workers, placed, data_dir, [whole], processes, api)
@@ -108,9 +108,9 @@ def running_pair(redis_url: str, store: Store, data_dir: Path, model: Path) -> I
         processes.stop_all()
         # The same placement in a later module is the same instance id: it must start anew,
         # not be found Ready with this pair's dead ranks.
-        for record in store.list_instances():
+        for record in store.instances.all():
             if record.hosts[0] in HOSTS:
-                store.remove_instance(record.id)
+                store.instances.remove(record.id)
 
 
 def place(api: Api, model: Path, hosts: tuple[str, ...] = HOSTS) -> str:

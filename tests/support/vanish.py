@@ -52,7 +52,7 @@ def main(data_dir: Path) -> dict[str, object]:
         redis = start_redis(processes, data_dir / "redis")
         store = Store.from_url(redis.url)
         job = JobRecord(id="vanish", model="tiny", request=JobRequest(prompt="x"))
-        store.create_job(job, "exo.model.tiny", 1000)  # queued for good: keepalives only
+        store.jobs.create(job, "exo.model.tiny", 1000)  # queued for good: keepalives only
         port = free_port()
         env = exo_env(
             redis_url=redis.url, api_port=port, api_workers=1, max_streams=1, data_dir=data_dir

@@ -72,7 +72,7 @@ def wait_runner_ready(
             raise AssertionError(
                 f"worker exited ({worker.process.returncode}):\n{worker.log_text()[-4000:]}"
             )
-        state = store.get_runner(runner_id)
+        state = store.runners.get(runner_id)
         return state if state is not None and state.status.accepts_jobs else None
 
     state: RunnerState = wait_until(ready, timeout_s, f"runner {runner_id} Ready")
@@ -96,7 +96,7 @@ def new_worker(
 
 
 def runner_state(store: Store, host: str, model: str = "tiny") -> RunnerState:
-    state = store.get_runner(runner_id_for(model, host))
+    state = store.runners.get(runner_id_for(model, host))
     assert state is not None
     return state
 

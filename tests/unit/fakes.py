@@ -1,6 +1,7 @@
-"""Small fakes of our own interfaces for the unit tests: the store (jobs, runners, inboxes, in
-memory, moving jobs by exo_tasks.lifecycle's table as the real store's script does), a Celery
-task as our tasks use it, and a clock. The real-process tests run the real ones."""
+"""Small fakes of our own interfaces for the unit tests: the store (its jobs, runners, hosts and
+metrics parts, in memory, moving jobs by exo_tasks.lifecycle's table as the real store's script
+does), a runner's writes, a Celery task as our tasks use it, and a clock. The real-process
+tests run the real ones."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from exo_tasks.types import (
     JobRequest,
     JobStatus,
     RequeuedEvent,
+    TokenEvent,
 )
 
 HOST = "unit"
@@ -50,64 +52,53 @@ def runner(status: RunnerStatus = RunnerStatus.READY, **update: Any) -> RunnerSt
     return state.model_copy(update=update)
 
 
-class FakeStore:
-    """The store's job, runner and inbox calls, in memory. `unreachable`: how many calls from
-    now on raise as Redis does when it is down. `on_send`, `on_supervisor`: a runner's and a
-    supervisor's answer to a command. `interrupt`: raised by the next wait for an ending (a
-    signal arriving in it). A wait with nothing to read passes its time on `clock`."""
+class Link:
+    """The fakes' Redis link: `unreachable`: how many calls from now on raise as Redis does
+    when it is down."""
 
-    def __init__(self, clock: FakeClock | None = None) -> None:
-        self.clock = clock or FakeClock()
-        self.interrupt: BaseException | None = None
-        self.jobs: dict[str, JobRecord] = {}
-        self.runners: dict[str, RunnerState] = {}
-        self.endings: dict[str, list[tuple[str, DoneEvent | RequeuedEvent]]] = defaultdict(list)
-        self.events: dict[str, int] = defaultdict(int)
-        self.inboxes: dict[str, list[RunnerCommand]] = defaultdict(list)
-        self.to_supervisors: list[tuple[str, SupervisorRequest]] = []
-        self.live_owners: set[str] = {INCARNATION}
-        self.cancel_requested: set[str] = set()
-        self.published: list[RunnerState] = []
-        self.failed_runner_jobs: list[tuple[str, str]] = []
-        self.requeued_runner_jobs: list[str] = []
+    def __init__(self) -> None:
         self.unreachable = 0
-        self.connections_dropped = 0
-        self.on_send: Callable[[str, RunnerCommand], None] = lambda runner_id, command: None
-        self.on_supervisor: Callable[[SupervisorRequest], None] = lambda request: None
-        self._ids = itertools.count(1)
 
-    @property
-    def as_store(self) -> Store:
-        return cast(Store, self)
-
-    def _reach(self) -> None:
+    def reach(self) -> None:
         if self.unreachable:
             self.unreachable -= 1
             raise redis.ConnectionError("Connection refused (fake)")
 
-    # --- jobs ---
+
+class FakeJobs:
+    """The store's job part. `interrupt`: raised by the next wait for an ending (a signal
+    arriving in it). A wait with nothing to read passes its time on `clock`."""
+
+    def __init__(self, link: Link, clock: FakeClock, runners: dict[str, RunnerState]) -> None:
+        self.link, self.clock, self.runners = link, clock, runners
+        self.interrupt: BaseException | None = None
+        self.records: dict[str, JobRecord] = {}
+        self.endings: dict[str, list[tuple[str, DoneEvent | RequeuedEvent]]] = defaultdict(list)
+        self.events: dict[str, int] = defaultdict(int)
+        self.cancel_requested: set[str] = set()
+        self._ids = itertools.count(1)
 
     def add(self, job: JobRecord) -> JobRecord:
-        self.jobs[job.id] = job
+        self.records[job.id] = job
         return job
 
-    def get_job(self, job_id: str) -> JobRecord | None:
-        self._reach()
-        return self.jobs.get(job_id)
+    def get(self, job_id: str) -> JobRecord | None:
+        self.link.reach()
+        return self.records.get(job_id)
 
-    def job_and_runner(
+    def with_runner(
         self, job_id: str, runner_id: str
     ) -> tuple[JobRecord | None, RunnerState | None]:
-        self._reach()
-        return self.jobs.get(job_id), self.runners.get(runner_id)
+        self.link.reach()
+        return self.records.get(job_id), self.runners.get(runner_id)
 
     def apply(self, move: lifecycle.Move) -> bool:
-        job = self.jobs.get(move.record.id)
+        job = self.records.get(move.record.id)
         if job is None or job.status not in move.allowed_from:
             return False
         if move.owner is not None and job.owner != move.owner:
             return False
-        self.jobs[job.id] = record = move.record
+        self.records[job.id] = record = move.record
         if record.is_terminal:
             self._append(job.id, DoneEvent(event=lifecycle.ending_event(record), job=record))
         elif isinstance(move.event, RequeuedEvent):
@@ -117,7 +108,7 @@ class FakeStore:
     def _append(self, job_id: str, ending: DoneEvent | RequeuedEvent) -> None:
         self.endings[job_id].append((f"{next(self._ids)}-0", ending))
 
-    def end_job(
+    def end(
         self,
         job_id: str,
         status: JobStatus,
@@ -125,7 +116,7 @@ class FakeStore:
         finish_reason: FinishReason | None = None,
         error: str | None = None,
     ) -> bool:
-        job = self.get_job(job_id)
+        job = self.get(job_id)
         if job is None or job.is_terminal:
             return False
         move = lifecycle.end(
@@ -133,30 +124,27 @@ class FakeStore:
         )
         return self.apply(move)
 
-    def fail_job(self, job_id: str, error: str) -> bool:
-        return self.end_job(job_id, JobStatus.FAILED, error=error)
+    def fail(self, job_id: str, error: str) -> bool:
+        return self.end(job_id, JobStatus.FAILED, error=error)
 
-    def requeue_job(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
-        job = self.jobs.get(job_id)
+    def requeue(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
+        job = self.records.get(job_id)
         if job is None or job.is_terminal or (only_from is not None and job.owner != only_from):
             return None
         move = lifecycle.requeue(job, only_from_owner=only_from is not None)
         return move.record if self.apply(move) else None
 
     def request_cancel(self, job_id: str) -> None:
-        self._reach()
+        self.link.reach()
         self.cancel_requested.add(job_id)
 
     def streamed_text(self, job_id: str) -> tuple[str, int]:
         return "", 0
 
-    def owner_is_live(self, job: JobRecord) -> bool:
-        return job.owner is None or job.owner in self.live_owners
-
     def read_endings(
         self, job_id: str, after: str, block_ms: int
     ) -> list[tuple[str, DoneEvent | RequeuedEvent]]:
-        self._reach()
+        self.link.reach()
         if self.interrupt is not None:
             interrupt, self.interrupt = self.interrupt, None
             raise interrupt
@@ -171,48 +159,130 @@ class FakeStore:
         return (endings[-1][0] if endings else "0-0"), self.events[job_id]
 
     def runner_and_events(self, runner_id: str, job_id: str) -> tuple[RunnerState | None, int]:
-        self._reach()
+        self.link.reach()
         return self.runners.get(runner_id), self.events[job_id]
 
-    def drop_connections(self) -> None:
-        self.connections_dropped += 1
 
-    # --- runners ---
+class FakeRunners:
+    """The store's runner part. `on_send`: a runner's answer to a command."""
 
-    def get_runner(self, runner_id: str) -> RunnerState | None:
-        self._reach()
-        return self.runners.get(runner_id)
+    def __init__(self, link: Link, jobs: FakeJobs) -> None:
+        self.link, self.jobs = link, jobs
+        self.states = jobs.runners
+        self.inboxes: dict[str, list[RunnerCommand]] = defaultdict(list)
+        self.published: list[RunnerState] = []
+        self.failed_jobs: list[tuple[str, str]] = []
+        self.requeued_jobs: list[str] = []
+        self.on_send: Callable[[str, RunnerCommand], None] = lambda runner_id, command: None
 
-    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
-        self._reach()
-        self.runners[state.id] = state
+    def get(self, runner_id: str) -> RunnerState | None:
+        self.link.reach()
+        return self.states.get(runner_id)
+
+    def publish(self, state: RunnerState, *, status_changed: bool = True) -> None:
+        self.link.reach()
+        self.states[state.id] = state
         self.published.append(state)
 
     def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
-        if not self.apply(lifecycle.Move(command.job, lifecycle.HAND_OVER_FROM)):
+        if not self.jobs.apply(lifecycle.Move(command.job, lifecycle.HAND_OVER_FROM)):
             return False
-        self.inboxes[runner_id].append(command)
-        self.on_send(runner_id, command)
+        self.send(runner_id, command)
         return True
 
-    def send_to_runner(self, runner_id: str, command: RunnerCommand) -> None:
+    def send(self, runner_id: str, command: RunnerCommand) -> None:
         self.inboxes[runner_id].append(command)
         self.on_send(runner_id, command)
+
+    def fail_jobs(self, runner_id: str, error: str) -> list[str]:
+        self.failed_jobs.append((runner_id, error))
+        return []
+
+    def requeue_jobs(self, runner_id: str) -> list[str]:
+        self.requeued_jobs.append(runner_id)
+        return []
+
+
+class FakeHosts:
+    """The store's host part. `on_supervisor`: a supervisor's answer to a request."""
+
+    def __init__(self) -> None:
+        self.live_owners: set[str] = {INCARNATION}
+        self.to_supervisors: list[tuple[str, SupervisorRequest]] = []
+        self.on_supervisor: Callable[[SupervisorRequest], None] = lambda request: None
+
+    def owner_is_live(self, job: JobRecord) -> bool:
+        return job.owner is None or job.owner in self.live_owners
 
     def send_to_supervisor(self, host: str, request: SupervisorRequest) -> None:
         self.to_supervisors.append((host, request))
         self.on_supervisor(request)
 
-    def fail_runner_jobs(self, runner_id: str, error: str) -> list[str]:
-        self.failed_runner_jobs.append((runner_id, error))
-        return []
 
-    def requeue_runner_jobs(self, runner_id: str) -> list[str]:
-        self.requeued_runner_jobs.append(runner_id)
-        return []
-
-    def write_metrics(self, observations: Any) -> None:
+class FakeMetrics:
+    def write(self, observations: Any) -> None:
         pass
+
+
+class FakeStore:
+    """The store's job, runner, host and metric parts our Celery-side code uses, in memory,
+    over one fake link to Redis (`link.unreachable`)."""
+
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        self.clock = clock or FakeClock()
+        self.link = Link()
+        self.jobs = FakeJobs(self.link, self.clock, {})
+        self.runners = FakeRunners(self.link, self.jobs)
+        self.hosts = FakeHosts()
+        self.metrics = FakeMetrics()
+        self.connections_dropped = 0
+
+    @property
+    def as_store(self) -> Store:
+        return cast(Store, self)
+
+    def drop_connections(self) -> None:
+        self.connections_dropped += 1
+
+
+class RunnerWrites:
+    """The two writes a runner makes, kept: its state (`runners.publish`) and its steps
+    (`jobs.write_step`). `down`: Redis refuses them."""
+
+    def __init__(self) -> None:
+        self.published: list[RunnerState] = []
+        self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
+        self.down = False
+        self.runners = _StatePublisher(self)
+        self.jobs = _StepWriter(self)
+
+    def reach(self) -> None:
+        if self.down:
+            raise redis.ConnectionError("Connection refused (fake)")
+
+
+class _StatePublisher:
+    def __init__(self, writes: RunnerWrites) -> None:
+        self.writes = writes
+
+    def publish(self, state: RunnerState, *, status_changed: bool = True) -> None:
+        self.writes.reach()
+        self.writes.published.append(state)
+
+
+class _StepWriter:
+    def __init__(self, writes: RunnerWrites) -> None:
+        self.writes = writes
+
+    def write_step(
+        self,
+        runner_id: str,
+        tokens: list[tuple[str, TokenEvent]],
+        observations: Any,
+        endings: list[JobRecord],
+    ) -> None:
+        self.writes.reach()
+        self.writes.steps.append((list(tokens), list(endings)))
 
 
 @dataclass

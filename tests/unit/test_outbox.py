@@ -9,39 +9,13 @@ import logging
 import pytest
 import redis
 
-from exo_tasks import metrics
-from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import outbox as outbox_module
 from exo_tasks.runner.outbox import Occupancy, Outbox
-from exo_tasks.types import JobRecord, TokenEvent
-from tests.unit.fakes import FakeClock, clock_of, new_job, runner
+from exo_tasks.types import TokenEvent
+from tests.unit.fakes import FakeClock, RunnerWrites, clock_of, new_job, runner
 
 RS = RunnerStatus
-
-
-class Store:
-    """The two writes a runner makes; `down`: Redis refuses them."""
-
-    def __init__(self) -> None:
-        self.published: list[RunnerState] = []
-        self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
-        self.down = False
-
-    def publish_runner(self, state: RunnerState, *, status_changed: bool = True) -> None:
-        if self.down:
-            raise redis.ConnectionError("Connection refused (fake)")
-        self.published.append(state)
-
-    def write_step(
-        self,
-        runner_id: str,
-        tokens: list[tuple[str, TokenEvent]],
-        observations: metrics.Observations,
-        endings: list[JobRecord],
-    ) -> None:
-        if self.down:
-            raise redis.ConnectionError("Connection refused (fake)")
-        self.steps.append((list(tokens), list(endings)))
 
 
 @pytest.fixture
@@ -50,8 +24,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 
 @pytest.fixture
-def store() -> Store:
-    return Store()
+def store() -> RunnerWrites:
+    return RunnerWrites()
 
 
 class Jobs:
@@ -69,7 +43,7 @@ def jobs() -> Jobs:
     return Jobs()
 
 
-def outbox(store: Store, jobs: Jobs, status: RunnerStatus = RS.READY) -> Outbox:
+def outbox(store: RunnerWrites, jobs: Jobs, status: RunnerStatus = RS.READY) -> Outbox:
     return Outbox(store, runner(status), jobs.occupancy)
 
 
@@ -79,7 +53,7 @@ def token(index: int = 0) -> TokenEvent:
 
 class TestPublish:
     def test_a_status_change_is_published_with_the_runners_jobs(
-        self, store: Store, jobs: Jobs
+        self, store: RunnerWrites, jobs: Jobs
     ) -> None:
         box = outbox(store, jobs, RS.WARMING_UP)
         jobs.active = 2
@@ -87,7 +61,7 @@ class TestPublish:
         assert [(s.status, s.active_jobs) for s in store.published] == [(RS.READY, 2)]
 
     def test_a_move_the_state_machine_lacks_is_refused_logged_and_not_raised(
-        self, store: Store, jobs: Jobs, caplog: pytest.LogCaptureFixture
+        self, store: RunnerWrites, jobs: Jobs, caplog: pytest.LogCaptureFixture
     ) -> None:
         box = outbox(store, jobs, RS.SHUTDOWN)
         with caplog.at_level(logging.ERROR, logger="exo_tasks.lifecycle"):
@@ -96,7 +70,7 @@ class TestPublish:
         assert "runner status change refused" in caplog.text
 
     def test_a_state_redis_refused_is_published_at_the_next_flush(
-        self, store: Store, jobs: Jobs
+        self, store: RunnerWrites, jobs: Jobs
     ) -> None:
         box = outbox(store, jobs, RS.WARMING_UP)
         store.down = True
@@ -110,7 +84,7 @@ class TestPublish:
 
 class TestFlush:
     def test_tokens_and_endings_go_in_one_write_then_the_runners_state(
-        self, store: Store, jobs: Jobs, clock: FakeClock
+        self, store: RunnerWrites, jobs: Jobs, clock: FakeClock
     ) -> None:
         box = outbox(store, jobs)
         jobs.active = 1
@@ -123,7 +97,7 @@ class TestFlush:
         assert box.tokens == [] and box.endings == []
 
     def test_jobs_that_come_and_go_without_a_write_are_published_after_state_delay_s(
-        self, store: Store, jobs: Jobs, clock: FakeClock
+        self, store: RunnerWrites, jobs: Jobs, clock: FakeClock
     ) -> None:
         box = outbox(store, jobs)
         jobs.active = 1
@@ -135,7 +109,7 @@ class TestFlush:
         assert [(s.status, s.active_jobs) for s in store.published] == [(RS.RUNNING, 1)]
 
     def test_a_job_that_came_and_went_between_two_flushes_costs_no_write(
-        self, store: Store, jobs: Jobs, clock: FakeClock
+        self, store: RunnerWrites, jobs: Jobs, clock: FakeClock
     ) -> None:
         box = outbox(store, jobs)
         box.flush(stopping=False)  # an earlier publish: the state as now
@@ -145,7 +119,7 @@ class TestFlush:
         assert store.published == []
 
     def test_a_stop_keeps_its_status_whatever_the_jobs(
-        self, store: Store, jobs: Jobs, clock: FakeClock
+        self, store: RunnerWrites, jobs: Jobs, clock: FakeClock
     ) -> None:
         box = outbox(store, jobs, RS.SHUTTING_DOWN)
         jobs.active = 1
@@ -155,7 +129,7 @@ class TestFlush:
         assert [(s.status, s.active_jobs) for s in store.published] == [(RS.SHUTTING_DOWN, 1)]
 
     def test_what_redis_refused_is_kept_and_delivered_in_order_once_it_is_back(
-        self, store: Store, jobs: Jobs, clock: FakeClock
+        self, store: RunnerWrites, jobs: Jobs, clock: FakeClock
     ) -> None:
         box = outbox(store, jobs)
         box.tokens.append(("j1", token(0)))
@@ -169,7 +143,7 @@ class TestFlush:
         assert [t.index for _, t in tokens] == [0, 1]
 
 
-def test_amend_changes_the_state_without_publishing(store: Store, jobs: Jobs) -> None:
+def test_amend_changes_the_state_without_publishing(store: RunnerWrites, jobs: Jobs) -> None:
     box = outbox(store, jobs)
     box.amend(pid=None, model_loads=2)
     assert store.published == [] and (box.state.pid, box.state.model_loads) == (None, 2)

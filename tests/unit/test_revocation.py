@@ -50,39 +50,39 @@ class TestRevoke:
     def test_a_queued_jobs_task_is_cancelled_and_only_flagged_for_celery(
         self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
     ) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
         reply = revocation.revoke(state_of(store), job.id, terminate=True, signal="KILL")
-        assert store.jobs[job.id].status == RS.CANCELLED
+        assert store.jobs.records[job.id].status == RS.CANCELLED
         assert celery_calls == [([job.id],)]  # no terminate, no signal
         assert reply == {"ok": f"jobs {job.id} cancelled"}
 
     def test_a_running_job_is_cancelled_at_its_runner_and_its_pool_child_spared(
         self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
     ) -> None:
-        job = store.add(new_job(status=RS.RUNNING, owner=INCARNATION, runner_id=RUNNER_ID))
+        job = store.jobs.add(new_job(status=RS.RUNNING, owner=INCARNATION, runner_id=RUNNER_ID))
         revocation.terminate(state_of(store), "SIGKILL", [job.id])
-        assert store.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id, reason="cancelled")]
+        assert store.runners.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id, reason="cancelled")]
         assert celery_calls == [([job.id],)]
 
     def test_an_ended_job_is_not_signalled_either(
         self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
     ) -> None:
-        job = store.add(new_job(status=RS.SUCCEEDED))
+        job = store.jobs.add(new_job(status=RS.SUCCEEDED))
         revocation.revoke(state_of(store), job.id, terminate=True, signal="TERM")
-        assert celery_calls == [([job.id],)] and store.jobs[job.id].status == RS.SUCCEEDED
+        assert celery_calls == [([job.id],)] and store.jobs.records[job.id].status == RS.SUCCEEDED
 
     def test_in_doubt_redis_down_a_job_is_never_signalled(
         self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
     ) -> None:
-        job = store.add(new_job())
-        store.unreachable = 1
+        job = store.jobs.add(new_job())
+        store.link.unreachable = 1
         revocation.revoke(state_of(store), job.id, terminate=True, signal="KILL")
         assert celery_calls == [([job.id],)]
 
     def test_an_id_that_names_no_job_goes_to_celery_as_sent(
         self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
     ) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
         reply = revocation.revoke(
             state_of(store), [job.id, "not-a-job"], terminate=True, signal="KILL"
         )

@@ -12,6 +12,7 @@ import pytest
 from exo_tasks import lifecycle
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.lifecycle import RUNNER_ENDINGS, RUNNER_TRANSITIONS
+from tests.unit.tables import reachable
 
 RS = RunnerStatus
 MOVES = {(a, b) for a, targets in RUNNER_TRANSITIONS.items() for b in targets}
@@ -24,12 +25,7 @@ def state(status: RunnerStatus) -> RunnerState:
 
 def test_every_status_has_its_moves_and_is_reached_from_a_spawn() -> None:
     assert set(RUNNER_TRANSITIONS) == set(RS)
-    reached, frontier = {lifecycle.RUNNER_BORN}, [lifecycle.RUNNER_BORN]
-    while frontier:
-        for to in RUNNER_TRANSITIONS[frontier.pop()] - reached:
-            reached.add(to)
-            frontier.append(to)
-    assert reached == set(RS)
+    assert reachable(RUNNER_TRANSITIONS, lifecycle.RUNNER_BORN) == set(RS)
 
 
 def test_an_ended_runner_comes_back_only_by_a_new_spawn() -> None:

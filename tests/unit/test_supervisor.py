@@ -128,7 +128,7 @@ def running(host: Host) -> FakeProcess:
 
 def runner_says(store: FakeStore, status: RunnerStatus, **update: Any) -> None:
     """What the runner itself published last."""
-    store.runners[RUNNER_ID] = runner(status, **update)
+    store.runners.states[RUNNER_ID] = runner(status, **update)
 
 
 def stops_when_told(store: FakeStore, process: FakeProcess) -> None:
@@ -137,7 +137,7 @@ def stops_when_told(store: FakeStore, process: FakeProcess) -> None:
             runner_says(store, RS.SHUTDOWN)
             process.exitcode = 0
 
-    store.on_send = answer
+    store.runners.on_send = answer
 
 
 class TestEscalation:
@@ -150,7 +150,7 @@ class TestEscalation:
         stops_when_told(store, running(host))
         assert self.stop(supervisor) == "exitcode=0"
         assert running(host).signals == []
-        assert store.runners[RUNNER_ID].status == RS.SHUTDOWN  # a clean stop stands
+        assert store.runners.states[RUNNER_ID].status == RS.SHUTDOWN  # a clean stop stands
         assert supervisor.handles[RUNNER_ID].process is None
 
     def test_past_the_grace_sigterm(
@@ -164,8 +164,8 @@ class TestEscalation:
         [(signum, at)] = host.stopped_at
         assert signum == SIGTERM and at - asked_at == pytest.approx(10.0)
         # Not the stop it was asked for: a failure, its jobs failed with it.
-        assert store.runners[RUNNER_ID].status == RS.FAILED
-        assert store.failed_runner_jobs == [(RUNNER_ID, f"runner {RUNNER_ID} stopped: {cause}")]
+        assert store.runners.states[RUNNER_ID].status == RS.FAILED
+        assert store.runners.failed_jobs == [(RUNNER_ID, f"runner {RUNNER_ID} stopped: {cause}")]
 
     def test_a_runner_that_ignores_sigterm_gets_sigkill_after_term_wait_s(
         self, supervisor: RunnerSupervisor, host: Host, clock: FakeClock
@@ -197,7 +197,7 @@ class TestEscalation:
         stops_when_told(store, running(host))
         command = StopRunner(mode="warm", timeout_s=9, requeue=True)
         supervisor.stop_runner(RUNNER_ID, command, 10.0)
-        assert store.requeued_runner_jobs == [RUNNER_ID] and store.failed_runner_jobs == []
+        assert store.runners.requeued_jobs == [RUNNER_ID] and store.runners.failed_jobs == []
 
     def test_stopping_a_runner_with_no_process_records_it_shut_down(
         self, supervisor: RunnerSupervisor, store: FakeStore, serving: list[tuple[str, bool]]
@@ -205,7 +205,7 @@ class TestEscalation:
         supervisor.handles[RUNNER_ID].process = None
         runner_says(store, RS.UNLOADED)
         assert self.stop(supervisor) == "not running"
-        assert store.runners[RUNNER_ID].status == RS.SHUTDOWN
+        assert store.runners.states[RUNNER_ID].status == RS.SHUTDOWN
 
     def test_an_operators_stop_takes_the_model_off_this_host(
         self,
@@ -233,8 +233,8 @@ class TestEscalation:
         handle.progress = RunnerProgress([silent_since, 1, 1])  # one job, no first token
         asked_at = clock.now
         supervisor._check_stalls()
-        assert store.failed_runner_jobs[0][0] == RUNNER_ID
-        assert "stalled in prefill" in store.failed_runner_jobs[0][1]
+        assert store.runners.failed_jobs[0][0] == RUNNER_ID
+        assert "stalled in prefill" in store.runners.failed_jobs[0][1]
         [(signum, at)] = host.stopped_at
         assert signum == SIGTERM and at == asked_at
 
@@ -258,8 +258,8 @@ class TestRestart:
         self, supervisor: RunnerSupervisor, host: Host, store: FakeStore, clock: FakeClock
     ) -> None:
         self.crash(supervisor, host)
-        assert store.failed_runner_jobs == [(RUNNER_ID, f"runner {RUNNER_ID} failed: exitcode=1")]
-        failed = store.runners[RUNNER_ID]
+        assert store.runners.failed_jobs == [(RUNNER_ID, f"runner {RUNNER_ID} failed: exitcode=1")]
+        failed = store.runners.states[RUNNER_ID]
         assert failed.status == RS.FAILED and failed.next_restart_at is not None
         handle = supervisor.handles[RUNNER_ID]
         restart_at = handle.restart_at
@@ -270,7 +270,7 @@ class TestRestart:
         assert len(host.processes) == 1  # not before its time
         self.restart_when_due(supervisor, clock)
         assert len(host.processes) == 2 and handle.restarts == 1
-        reborn = store.runners[RUNNER_ID]
+        reborn = store.runners.states[RUNNER_ID]
         assert (reborn.status, reborn.restarts) == (RS.WAITING_FOR_MODEL, 1)
 
     def test_crashes_in_a_row_double_the_backoff_up_to_30_s(self) -> None:
@@ -303,7 +303,7 @@ class TestRestart:
             self.restart_when_due(supervisor, clock)
         assert delays == [restart_backoff_s(n) for n in (1, 2, 3)]
         self.crash(supervisor, host)
-        given_up = store.runners[RUNNER_ID]
+        given_up = store.runners.states[RUNNER_ID]
         assert given_up.status == RS.FAILED and given_up.next_restart_at is None
         assert "gave up after 4 failures in a row" in (given_up.error or "")
         assert supervisor.handles[RUNNER_ID].restart_at is None
@@ -322,14 +322,18 @@ class TestRestart:
     ) -> None:
         self.crash(supervisor, host, exitcode=runner_process.EXIT_CONFIG)
         assert supervisor.handles[RUNNER_ID].restart_at is None
-        assert "not restarted: a configuration error" in (store.runners[RUNNER_ID].error or "")
+        assert "not restarted: a configuration error" in (
+            store.runners.states[RUNNER_ID].error or ""
+        )
 
     def test_the_runners_own_last_word_is_kept_beside_its_exit(
         self, supervisor: RunnerSupervisor, host: Host, store: FakeStore
     ) -> None:
         runner_says(store, RS.FAILED, error="model failed to load: no weights")
         self.crash(supervisor, host)
-        assert store.runners[RUNNER_ID].error == "model failed to load: no weights (exitcode=1)"
+        assert (
+            store.runners.states[RUNNER_ID].error == "model failed to load: no weights (exitcode=1)"
+        )
 
     def test_an_idle_unload_is_no_failure_and_no_restart(
         self, supervisor: RunnerSupervisor, host: Host, store: FakeStore
@@ -338,5 +342,5 @@ class TestRestart:
         self.crash(supervisor, host, exitcode=runner_process.EXIT_UNLOADED)
         handle = supervisor.handles[RUNNER_ID]
         assert handle.restart_at is None and handle.process is None
-        assert store.runners[RUNNER_ID].status == RS.UNLOADED
-        assert store.requeued_runner_jobs == [RUNNER_ID] and store.failed_runner_jobs == []
+        assert store.runners.states[RUNNER_ID].status == RS.UNLOADED
+        assert store.runners.requeued_jobs == [RUNNER_ID] and store.runners.failed_jobs == []

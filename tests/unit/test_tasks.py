@@ -46,7 +46,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 @pytest.fixture
 def store(clock: FakeClock) -> FakeStore:
     fake = FakeStore(clock)
-    fake.runners[RUNNER_ID] = runner()
+    fake.runners.states[RUNNER_ID] = runner()
     return fake
 
 
@@ -60,9 +60,9 @@ def ends_jobs_it_is_told_to_cancel(store: FakeStore) -> None:
     def answer(runner_id: str, command: RunnerCommand) -> None:
         if isinstance(command, CancelJob):
             status = RS.TIMED_OUT if command.reason == "time_limit" else RS.CANCELLED
-            store.end_job(command.job_id, status, finish_reason=command.reason)
+            store.jobs.end(command.job_id, status, finish_reason=command.reason)
 
-    store.on_send = answer
+    store.runners.on_send = answer
 
 
 class TestPrepare:
@@ -70,32 +70,32 @@ class TestPrepare:
         assert tasks._prepare(store.as_store, "nope", RUNNER_ID) == tasks.Skipped(None)
 
     def test_an_ended_job_is_skipped_with_its_record(self, store: FakeStore) -> None:
-        job = store.add(new_job(status=RS.CANCELLED))
+        job = store.jobs.add(new_job(status=RS.CANCELLED))
         assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Skipped(job)
 
     def test_a_job_running_on_a_live_worker_is_a_duplicate_and_left_alone(
         self, store: FakeStore
     ) -> None:
-        job = store.add(running_elsewhere(INCARNATION))
+        job = store.jobs.add(running_elsewhere(INCARNATION))
         assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Skipped(job)
-        assert store.jobs[job.id] == job
+        assert store.jobs.records[job.id] == job
 
     def test_a_job_running_on_a_dead_worker_is_requeued_and_run(self, store: FakeStore) -> None:
-        job = store.add(running_elsewhere("other:1:1"))
+        job = store.jobs.add(running_elsewhere("other:1:1"))
         prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID)
         assert isinstance(prepared, tasks.Prepared)
         assert (prepared.job.status, prepared.job.attempts) == (RS.QUEUED, 1)
-        assert prepared.runner == store.runners[RUNNER_ID]
+        assert prepared.runner == store.runners.states[RUNNER_ID]
 
     def test_a_queued_job_is_prepared_with_its_runner(self, store: FakeStore) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
         assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Prepared(
-            job, store.runners[RUNNER_ID]
+            job, store.runners.states[RUNNER_ID]
         )
 
     def test_redis_unreachable_rejects_the_message_with_requeue(self, store: FakeStore) -> None:
-        job = store.add(new_job())
-        store.unreachable = 1
+        job = store.jobs.add(new_job())
+        store.link.unreachable = 1
         with pytest.raises(Reject) as rejected:
             tasks._prepare(store.as_store, job.id, RUNNER_ID)
         assert rejected.value.args[1] is True
@@ -110,28 +110,28 @@ class TestHandOver:
     def test_the_job_is_marked_running_here_and_put_in_the_runners_inbox(
         self, store: FakeStore, clock: FakeClock
     ) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
         attempt = self.hand_over(store, job)
-        assert attempt == tasks.Attempt(store.runners[RUNNER_ID], "0-0", 0)
-        running = store.jobs[job.id]
+        assert attempt == tasks.Attempt(store.runners.states[RUNNER_ID], "0-0", 0)
+        running = store.jobs.records[job.id]
         assert (running.status, running.owner, running.host) == (RS.RUNNING, INCARNATION, HOST)
-        [command] = store.inboxes[RUNNER_ID]
+        [command] = store.runners.inboxes[RUNNER_ID]
         assert isinstance(command, SubmitJob) and command.job == running
         assert clock.now < command.soft_deadline < command.deadline
 
     def test_a_later_attempt_starts_after_the_last_ending(self, store: FakeStore) -> None:
-        job = store.add(running_elsewhere("other:1:1"))
-        requeued = store.requeue_job(job.id)
+        job = store.jobs.add(running_elsewhere("other:1:1"))
+        requeued = store.jobs.requeue(job.id)
         assert requeued is not None
-        store.events[job.id] = 5
+        store.jobs.events[job.id] = 5
         attempt = self.hand_over(store, requeued)
         assert attempt is not None and (attempt.after, attempt.events_before) == ("1-0", 5)
 
     def test_a_job_cancelled_meanwhile_is_not_handed_over(self, store: FakeStore) -> None:
         job = new_job()
-        store.add(job.model_copy(update={"status": RS.CANCELLED}))
+        store.jobs.add(job.model_copy(update={"status": RS.CANCELLED}))
         assert self.hand_over(store, job) is None
-        assert store.inboxes[RUNNER_ID] == []
+        assert store.runners.inboxes[RUNNER_ID] == []
 
     def test_a_loading_runner_is_waited_for(self, store: FakeStore, clock: FakeClock) -> None:
         loading = runner(RunnerStatus.LOADING)  # as read with the job; ready at the next look
@@ -140,77 +140,79 @@ class TestHandOver:
         assert state.status == RunnerStatus.READY and clock.now - started == pytest.approx(0.1)
 
     def test_an_unloaded_runner_is_asked_once_to_load(self, store: FakeStore) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.UNLOADED)
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.UNLOADED)
         asked: list[Any] = []
-        store.on_supervisor = asked.append
+        store.hosts.on_supervisor = asked.append
         with pytest.raises(RunnerGone):  # it never loads, here
             tasks._await_runner(
-                store.as_store, RUNNER_ID, store.runners[RUNNER_ID], 300.0, pinned=None
+                store.as_store, RUNNER_ID, store.runners.states[RUNNER_ID], 300.0, pinned=None
             )
         assert asked == [StartRunnerRequest(runner_id=RUNNER_ID)]
 
     def test_a_runner_never_ready_is_runner_gone_after_the_start_timeout(
         self, store: FakeStore, clock: FakeClock
     ) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.LOADING)
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.LOADING)
         started = clock.now
         with pytest.raises(RunnerGone, match="not ready after 300s"):
             tasks._await_runner(
-                store.as_store, RUNNER_ID, store.runners[RUNNER_ID], 300.0, pinned=None
+                store.as_store, RUNNER_ID, store.runners.states[RUNNER_ID], 300.0, pinned=None
             )
         assert 300.0 < clock.now - started < 300.5
 
     def test_a_runner_failed_for_good_is_the_jobs_failure(self, store: FakeStore) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.FAILED, error="model failed to load")
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.FAILED, error="model failed to load")
         with pytest.raises(RunnerGone, match="model failed to load"):
-            self.hand_over(store, store.add(new_job()))
+            self.hand_over(store, store.jobs.add(new_job()))
 
     def test_a_failed_runner_with_a_restart_coming_is_waited_for(self, store: FakeStore) -> None:
         state = runner(RunnerStatus.FAILED, next_restart_at=utcnow())
-        store.runners[RUNNER_ID] = runner(RunnerStatus.READY)
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.READY)
         ready = tasks._await_runner(store.as_store, RUNNER_ID, state, 300.0, pinned=None)
         assert ready.status == RunnerStatus.READY
 
     def test_a_runner_shut_down_on_purpose_rejects_with_requeue(self, store: FakeStore) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
         with pytest.raises(Reject) as rejected:
-            self.hand_over(store, store.add(new_job()))
+            self.hand_over(store, store.jobs.add(new_job()))
         assert rejected.value.args[1] is True
 
     def test_a_job_pinned_here_waits_before_its_requeue(
         self, store: FakeStore, clock: FakeClock
     ) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
         started = clock.now
         with pytest.raises(Reject):
-            tasks._refuse_if_stopped(RUNNER_ID, store.runners[RUNNER_ID], pinned=HOST)
+            tasks._refuse_if_stopped(RUNNER_ID, store.runners.states[RUNNER_ID], pinned=HOST)
         assert clock.now - started == tasks.PINNED_REQUEUE_PAUSE_S
 
 
 class TestFollow:
     def follow(self, store: FakeStore, job: JobRecord, after: str = "0-0", **kw: Any) -> JobEnding:
-        return tasks._follow(store.as_store, job.id, store.runners[RUNNER_ID], after, **kw)
+        return tasks._follow(store.as_store, job.id, store.runners.states[RUNNER_ID], after, **kw)
 
     def started(self, store: FakeStore) -> JobRecord:
-        return store.add(new_job(status=RS.RUNNING, owner=INCARNATION, runner_id=RUNNER_ID))
+        return store.jobs.add(new_job(status=RS.RUNNING, owner=INCARNATION, runner_id=RUNNER_ID))
 
     def test_returns_the_record_of_the_attempts_ending(self, store: FakeStore) -> None:
         job = self.started(store)
-        store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+        store.jobs.end(job.id, RS.SUCCEEDED, finish_reason="stop")
         assert self.follow(store, job).status == RS.SUCCEEDED
 
     def test_an_ending_before_the_attempt_began_does_not_count(self, store: FakeStore) -> None:
         job = self.started(store)
-        store.requeue_job(job.id)  # ending "1-0": the last attempt's
-        store.jobs[job.id] = store.jobs[job.id].model_copy(update={"status": RS.RUNNING})
-        store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+        store.jobs.requeue(job.id)  # ending "1-0": the last attempt's
+        store.jobs.records[job.id] = store.jobs.records[job.id].model_copy(
+            update={"status": RS.RUNNING}
+        )
+        store.jobs.end(job.id, RS.SUCCEEDED, finish_reason="stop")
         assert self.follow(store, job, after="1-0").status == RS.SUCCEEDED
 
     def test_an_attempt_its_runner_requeued_rejects_the_message_with_requeue(
         self, store: FakeStore
     ) -> None:
         job = self.started(store)
-        store.requeue_job(job.id)
+        store.jobs.requeue(job.id)
         with pytest.raises(Reject) as rejected:
             self.follow(store, job)
         assert rejected.value.args[1] is True
@@ -224,11 +226,11 @@ class TestFollow:
         self, store: FakeStore, now: Any, clock: FakeClock
     ) -> None:
         job = self.started(store)
-        followed = store.runners[RUNNER_ID]
+        followed = store.runners.states[RUNNER_ID]
         if now is None:
-            del store.runners[RUNNER_ID]
+            del store.runners.states[RUNNER_ID]
         else:
-            store.runners[RUNNER_ID] = now
+            store.runners.states[RUNNER_ID] = now
         started = clock.now
         final = tasks._follow(store.as_store, job.id, followed, "0-0")
         assert final.status == RS.FAILED and "stopped while running the job" in (final.error or "")
@@ -237,21 +239,21 @@ class TestFollow:
 
     def test_between_waits_the_progress_report_gets_the_jobs_events(self, store: FakeStore) -> None:
         job = self.started(store)
-        store.events[job.id] = 7
+        store.jobs.events[job.id] = 7
         seen: list[int] = []
 
         class Progress:
             def update(self, events: int) -> None:
                 seen.append(events)
-                store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
+                store.jobs.end(job.id, RS.SUCCEEDED, finish_reason="stop")
 
         self.follow(store, job, progress=cast(Any, Progress()))
         assert seen == [7]
 
     def test_redis_restarting_is_waited_out(self, store: FakeStore, clock: FakeClock) -> None:
         job = self.started(store)
-        store.end_job(job.id, RS.SUCCEEDED, finish_reason="stop")
-        store.unreachable = 2
+        store.jobs.end(job.id, RS.SUCCEEDED, finish_reason="stop")
+        store.link.unreachable = 2
         started = clock.now
         assert self.follow(store, job).status == RS.SUCCEEDED
         assert clock.now - started == 2 * tasks.REDIS_RETRY_S
@@ -264,26 +266,26 @@ class TestFollow:
 
 class TestSoftLimit:
     def test_a_job_not_handed_over_yet_times_out_without_running(self, store: FakeStore) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
         final = tasks._after_soft_limit(store.as_store, job.id, None)
         assert final is not None and final.status == RS.TIMED_OUT
-        assert store.inboxes[RUNNER_ID] == []
+        assert store.runners.inboxes[RUNNER_ID] == []
 
     def test_a_handed_over_job_is_cancelled_at_its_runner_and_followed(
         self, store: FakeStore
     ) -> None:
         ends_jobs_it_is_told_to_cancel(store)
-        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
-        attempt = tasks.Attempt(store.runners[RUNNER_ID], "0-0", 0)
+        job = store.jobs.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        attempt = tasks.Attempt(store.runners.states[RUNNER_ID], "0-0", 0)
         final = tasks._after_soft_limit(store.as_store, job.id, attempt)
-        assert store.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id, reason="time_limit")]
+        assert store.runners.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id, reason="time_limit")]
         assert final is not None and final.status == RS.TIMED_OUT
 
     def test_a_runner_that_does_not_answer_is_waited_for_cancel_ack_s_only(
         self, store: FakeStore, clock: FakeClock
     ) -> None:
-        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
-        attempt = tasks.Attempt(store.runners[RUNNER_ID], "0-0", 0)
+        job = store.jobs.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        attempt = tasks.Attempt(store.runners.states[RUNNER_ID], "0-0", 0)
         started = clock.now
         final = tasks._after_soft_limit(store.as_store, job.id, attempt)
         assert final is not None and final.status == RS.TIMED_OUT
@@ -293,12 +295,12 @@ class TestSoftLimit:
         self, store: FakeStore
     ) -> None:
         ends_jobs_it_is_told_to_cancel(store)
-        job = store.add(new_job())
-        store.interrupt = SoftTimeLimitExceeded()
+        job = store.jobs.add(new_job())
+        store.jobs.interrupt = SoftTimeLimitExceeded()
         with pytest.raises(JobEnded, match="timed_out"):
             inference(FakeTask(store), job.id, "tiny")
         assert store.connections_dropped == 1  # the limit may have cut a reply in half
-        assert store.inboxes[RUNNER_ID][-1] == CancelJob(job_id=job.id, reason="time_limit")
+        assert store.runners.inboxes[RUNNER_ID][-1] == CancelJob(job_id=job.id, reason="time_limit")
 
     @pytest.mark.parametrize(
         "exception", [SoftTimeLimitExceeded(), DecodeError(SoftTimeLimitExceeded())]
@@ -306,34 +308,37 @@ class TestSoftLimit:
     def test_a_limit_that_cut_the_task_before_its_body_times_the_job_out(
         self, store: FakeStore, exception: BaseException
     ) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
         sender = cast(Any, FakeTask(store))
         tasks._time_out_a_task_cut_before_its_body(sender, job.id, exception)
-        assert store.jobs[job.id].status == RS.TIMED_OUT
+        assert store.jobs.records[job.id].status == RS.TIMED_OUT
 
     def test_other_failures_before_the_body_leave_the_job_alone(self, store: FakeStore) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
         sender = cast(Any, FakeTask(store))
         tasks._time_out_a_task_cut_before_its_body(sender, job.id, ValueError("x"))
         sender.name = "exo.load_runner"
         tasks._time_out_a_task_cut_before_its_body(sender, job.id, SoftTimeLimitExceeded())
-        assert store.jobs[job.id].status == RS.QUEUED
+        assert store.jobs.records[job.id].status == RS.QUEUED
 
 
 class TestHardLimit:
     def test_the_job_fails_and_its_runner_drops_it(self, store: FakeStore) -> None:
-        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        job = store.jobs.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
         task = cast(Any, FakeTask(store))
         tasks.InferenceTask.on_failure(task, TimeLimitExceeded(60), job.id, (), {}, cast(Any, None))
-        assert store.jobs[job.id].status == RS.FAILED
-        assert store.jobs[job.id].error == "hard time limit exceeded (60s)"
-        assert store.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id)]
+        assert store.jobs.records[job.id].status == RS.FAILED
+        assert store.jobs.records[job.id].error == "hard time limit exceeded (60s)"
+        assert store.runners.inboxes[RUNNER_ID] == [CancelJob(job_id=job.id)]
 
     def test_other_failures_are_celerys_alone(self, store: FakeStore) -> None:
-        job = store.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
+        job = store.jobs.add(new_job(status=RS.RUNNING, runner_id=RUNNER_ID))
         task = cast(Any, FakeTask(store))
         tasks.InferenceTask.on_failure(task, ValueError("x"), job.id, (), {}, cast(Any, None))
-        assert store.jobs[job.id].status == RS.RUNNING and store.inboxes[RUNNER_ID] == []
+        assert (
+            store.jobs.records[job.id].status == RS.RUNNING
+            and store.runners.inboxes[RUNNER_ID] == []
+        )
 
 
 class TestRejectRequeue:
@@ -354,8 +359,8 @@ class TestRejectRequeue:
     def test_a_job_sent_here_by_its_prefix_goes_to_its_models_queue(
         self, store: FakeStore, resent: list[JobRecord]
     ) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
-        job = store.add(new_job())
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        job = store.jobs.add(new_job())
         with pytest.raises(Reject) as rejected:
             self.run(store, job, host_queue(HOST))
         assert rejected.value.args[1] is False
@@ -365,31 +370,31 @@ class TestRejectRequeue:
     def test_a_job_from_its_models_queue_or_pinned_here_is_requeued_where_it_was(
         self, store: FakeStore, resent: list[JobRecord], pinned: bool
     ) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.SHUTDOWN)
         job = new_job()
         if pinned:
             job.request.host = HOST
-        store.add(job)
+        store.jobs.add(job)
         queue = host_queue(HOST) if pinned else model_queue("tiny")
         with pytest.raises(Reject) as rejected:
             self.run(store, job, queue)
         assert rejected.value.args[1] is True and resent == []
 
     def test_a_job_error_fails_the_job_and_the_task(self, store: FakeStore) -> None:
-        store.runners[RUNNER_ID] = runner(RunnerStatus.FAILED, error="bad weights")
-        job = store.add(new_job())
+        store.runners.states[RUNNER_ID] = runner(RunnerStatus.FAILED, error="bad weights")
+        job = store.jobs.add(new_job())
         with pytest.raises(RunnerGone):
             self.run(store, job, model_queue("tiny"))
-        assert store.jobs[job.id].status == RS.FAILED
-        assert "bad weights" in (store.jobs[job.id].error or "")
+        assert store.jobs.records[job.id].status == RS.FAILED
+        assert "bad weights" in (store.jobs.records[job.id].error or "")
 
     def test_a_job_that_runs_to_its_end_is_the_tasks_result(self, store: FakeStore) -> None:
-        job = store.add(new_job())
+        job = store.jobs.add(new_job())
 
         def run_it(runner_id: str, command: RunnerCommand) -> None:
             if isinstance(command, SubmitJob):
-                store.end_job(command.job.id, RS.SUCCEEDED, finish_reason="stop")
+                store.jobs.end(command.job.id, RS.SUCCEEDED, finish_reason="stop")
 
-        store.on_send = run_it
+        store.runners.on_send = run_it
         result = self.run(store, job, model_queue("tiny"))
         assert result == {"job_id": job.id, "status": RS.SUCCEEDED, "finish_reason": "stop"}
