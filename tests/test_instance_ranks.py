@@ -84,6 +84,32 @@ def test_a_stream_and_chat_completions_on_an_instance_equal_the_model_whole(pair
         assert streamed_chat == answers[1].choices[0].message.content
 
 
+def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: Pair) -> None:
+    """Each job added while the batch decodes: its plan goes out while the last step still
+    computes (mlx-lm evaluates the next tokens asynchronously). On the model's own stream the
+    plan waits for that step; on another one it overtook it, and rank 1 read the step's
+    activations as a plan (a StepPlan that is not JSON: the instance failed)."""
+    before = pair.instance()
+    requests: list[dict[str, Any]] = [
+        {"prompt": f"joining {i}", "max_tokens": 60, "ignore_eos": True} for i in range(3)
+    ]
+
+    def decoding(job_id: str) -> bool:
+        record = pair.instance()
+        assert record.status == "Ready", record.error
+        return pair.store.streamed_text(job_id)[1] >= 3
+
+    ids: list[str] = []
+    for request in requests:
+        ids.append(submit(pair, **request))
+        wait_until(lambda: decoding(ids[-1]), 30, f"tokens of job {len(ids)}")
+    jobs = [pair.api.wait_job(job_id) for job_id in ids]
+    whole = run_batch(pair, "whole", requests)
+    assert [outcome(j) for j in jobs] == [outcome(j) for j in whole]
+    after = pair.instance()
+    assert after.status == "Ready" and after.generation == before.generation, after.error
+
+
 def test_cancel_of_one_job_leaves_the_others_texts_unchanged(pair: Pair) -> None:
     requests: list[dict[str, Any]] = [
         {"prompt": f"job {i}", "max_tokens": 120, "ignore_eos": True} for i in range(3)
