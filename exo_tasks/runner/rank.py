@@ -23,6 +23,7 @@ from exo_tasks.runner.process import (
     check_model_path,
     rank_failure,
 )
+from exo_tasks.runner.sigterm import Collectives
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 
@@ -103,13 +104,14 @@ def build_engine(spec: RunnerSpec, model: Any, tokenizer: Any) -> BatchEngine:
     )
 
 
-def load_leader(spec: RunnerSpec, store: Store) -> Engine:
+def load_leader(spec: RunnerSpec, store: Store, collectives: Collectives) -> Engine:
     """Rank 0's engine factory for the batching loop: the ring, the shard, a LeaderEngine."""
     from exo_tasks.runner.schedule import Channel, LeaderEngine
 
-    group = join_ring(spec, store)
-    model, tokenizer = load_shard(spec, group)
-    return LeaderEngine(build_engine(spec, model, tokenizer), Channel(group))
+    with collectives.inside():  # mlx joins the ring, and may load, in C: no handler runs
+        group = join_ring(spec, store)
+        model, tokenizer = load_shard(spec, group)
+    return LeaderEngine(build_engine(spec, model, tokenizer), Channel(group), collectives)
 
 
 class Follower:
