@@ -142,6 +142,14 @@ def test_each_rank_holds_at_most_0_6_of_the_bench_model(pair: Pair, tmp_path: Pa
 
     sizes = wait_until(ranks_loaded, 180, "the bench instance Ready", 0.5)
     assert all(size <= 0.6 * whole_bytes for size in sizes), (sizes, whole_bytes)
+    # The MLX memory each rank's model uses, as its runner reports it (its parameters and
+    # buffers; a whole runner of this model reports about its parameters' size).
+    record = pair.store.get_instance(instance_id)
+    assert record is not None
+    states = [pair.store.get_runner(r.runner_id) for r in record.ranks]
+    memory = [s.memory_bytes for s in states if s is not None and s.memory_bytes]
+    print(f"bench model {whole_bytes} bytes; per rank: weights {sizes}, MLX memory {memory}")
+    assert len(memory) == 2 and all(m <= 0.6 * whole_bytes for m in memory), (memory, whole_bytes)
     assert pair.api.post(f"/v1/instances/{instance_id}/shutdown", json={"mode": "hard"})
     wait_until(
         lambda: (r := pair.store.instances.get(instance_id)) and r.status == "Shutdown", 30, "stop"

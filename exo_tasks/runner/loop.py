@@ -90,7 +90,8 @@ class Runner:
         engine, state = self.engine, self.outbox.state
         if engine is None:  # unloaded: the largest batch it had stays, its cache went with it
             return Occupancy(len(self.active), state.largest_batch)
-        return Occupancy(len(self.active), engine.largest_batch, engine.prompt_cache_bytes)
+        used = (len(self.active), engine.largest_batch, engine.prompt_cache_bytes)
+        return Occupancy(*used, *engine.memory)
 
     @property
     def stopping(self) -> bool:

@@ -121,6 +121,8 @@ class Follower:
     def __init__(self, spec: RunnerSpec, progress: RunnerProgress, store: Store) -> None:
         self.spec, self.progress, self.store = spec, progress, store
         self.state = spec.first_state()
+        self.engine: BatchEngine | None = None
+        self.busy = False
 
     def publish(self, *statuses: RunnerStatus, error: str | None = None, **changes: Any) -> None:
         """Each status in turn, as the runner statuses' table allows (exo_tasks.lifecycle)."""
@@ -145,10 +147,16 @@ class Follower:
         except ConfigError as exc:
             self.publish(RunnerStatus.FAILED, error=str(exc))
             return EXIT_CONFIG
-        engine = build_engine(self.spec, model, tokenizer)
+        self.engine = engine = build_engine(self.spec, model, tokenizer)
         # It warms up when rank 0 does (the first plan): following is what it is ready for.
         ready = (RunnerStatus.LOADED, RunnerStatus.WARMING_UP, RunnerStatus.READY)
-        self.publish(*ready, weights_bytes=engine.weights_bytes)
+        memory, peak = engine.memory
+        self.publish(
+            *ready,
+            weights_bytes=engine.weights_bytes,
+            memory_bytes=memory,
+            peak_memory_bytes=peak,
+        )
         try:
             follow(engine, Channel(group), self._stepped)
         except Exception as exc:
@@ -163,6 +171,16 @@ class Follower:
         self.progress.record(
             active=active, awaiting_first_token=awaiting_first_token, progressed=True
         )
+        if self.busy and not active:  # its batch emptied: show the memory it took
+            self._publish_memory()
+        self.busy = active > 0
+
+    def _publish_memory(self) -> None:
+        assert self.engine is not None
+        memory, peak = self.engine.memory
+        changes = {"memory_bytes": memory, "peak_memory_bytes": peak, "updated_at": utcnow()}
+        self.state = self.state.model_copy(update=changes)
+        self.store.publish_runner(self.state, status_changed=False)
 
 
 def fail_instance(store: Store, spec: RunnerSpec, cause: str) -> None:

@@ -120,6 +120,7 @@ class LeaderEngine:
     tool_calling = property(lambda self: self.engine.tool_calling)
     prompt_cache_bytes = property(lambda self: self.engine.prompt_cache_bytes)
     weights_bytes = property(lambda self: self.engine.weights_bytes)
+    memory = property(lambda self: self.engine.memory)
     prompt_tokenizer = property(lambda self: self.engine.prompt_tokenizer)
     encode = property(lambda self: self.engine.encode)  # rank 0 alone tokenizes
 
