@@ -1,8 +1,9 @@
 """An instance of the `chat` preset over two real workers (hosts a and b, one machine) gives the
 text of the same model whole in one runner, byte for byte: greedy and seeded jobs in one batch
 through /v1/jobs, a job's SSE stream, chat completions streamed or not; a cancel ends one job
-and leaves its batch's other texts as they were; on the `bench` preset each rank holds at most
-0.6x the whole model's weights."""
+and leaves its batch's other texts as they were; jobs joining a decoding batch and a next turn
+that hits the prompt cache give the whole model's text too; on the `bench` preset each rank
+holds at most 0.6x the whole model's weights, and reports at most that much MLX memory."""
 
 from __future__ import annotations
 
@@ -106,6 +107,27 @@ def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: 
     jobs = [pair.api.wait_job(job_id) for job_id in ids]
     whole = run_batch(pair, "whole", requests)
     assert [outcome(j) for j in jobs] == [outcome(j) for j in whole]
+    after = pair.instance()
+    assert after.status == "Ready" and after.generation == before.generation, after.error
+
+
+def test_a_conversation_s_next_turn_hits_the_prompt_cache_on_an_instance(pair: Pair) -> None:
+    """Rank 0 finds the conversation's first turn in its prompt cache, and every rank reuses
+    its own cache alike (a rank that prefilled another length would wait on collectives the
+    others never enter): most of the next turn's prompt is cached, its text is the whole
+    model's, and the instance stays Ready."""
+    before = pair.instance()
+    system = {"role": "system", "content": "You answer in one line. " * 20}
+    opening: list[dict[str, Any]] = [system, {"role": "user", "content": "cache me"}]
+    nexts = []
+    for model in ("chat", "whole"):
+        first = pair.api.wait_job(pair.api.submit(model=model, messages=opening, max_tokens=8))
+        reply = {"role": "assistant", "content": first["output"]["text"]}
+        turn = [*opening, reply, {"role": "user", "content": "and again"}]
+        nexts.append(pair.api.wait_job(pair.api.submit(model=model, messages=turn, max_tokens=8)))
+        cached = nexts[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first["usage"]["prompt_tokens"] - 1, (model, cached, first["usage"])
+    assert outcome(nexts[0]) == outcome(nexts[1]) and nexts[0]["status"] == "succeeded"
     after = pair.instance()
     assert after.status == "Ready" and after.generation == before.generation, after.error
 
