@@ -79,7 +79,7 @@ class Holders:
     def runners(self) -> list[RunnerState]:
         if self.store is None:
             return []
-        return [s for r in self.runner_ids if (s := self.store.get_runner(r)) is not None]
+        return [s for r in self.runner_ids if (s := self.store.runners.get(r)) is not None]
 
 
 def _start(lab: Lab, contender: str, config: Config) -> tuple[throughput.Running, Holders]:

@@ -162,7 +162,7 @@ def test_sigterm_ends_rank_0_blocked_in_a_collective_well_before_sigkill(pair: P
         record = pair.wait_status(InstanceStatus.FAILED, 10)
         assert record.error == cause, record.error
         job = wait_until(
-            lambda: (j := pair.store.get_job(job_id)) and j.is_terminal and j, 10, "job"
+            lambda: (j := pair.store.jobs.get(job_id)) and j.is_terminal and j, 10, "job"
         )
         assert job.status == "failed" and job.error is not None and cause in job.error, job.error
         print(f"rank 0 blocked in a collective: gone {took:.2f}s after SIGTERM")

@@ -98,7 +98,7 @@ def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: 
     def decoding(job_id: str) -> bool:
         record = pair.instance()
         assert record.status == "Ready", record.error
-        return pair.store.streamed_text(job_id)[1] >= 3
+        return pair.store.jobs.streamed_text(job_id)[1] >= 3
 
     ids: list[str] = []
     for request in requests:
@@ -166,9 +166,9 @@ def test_each_rank_holds_at_most_0_6_of_the_bench_model(pair: Pair, tmp_path: Pa
     assert all(size <= 0.6 * whole_bytes for size in sizes), (sizes, whole_bytes)
     # The MLX memory each rank's model uses, as its runner reports it (its parameters and
     # buffers; a whole runner of this model reports about its parameters' size).
-    record = pair.store.get_instance(instance_id)
+    record = pair.store.instances.get(instance_id)
     assert record is not None
-    states = [pair.store.get_runner(r.runner_id) for r in record.ranks]
+    states = [pair.store.runners.get(r.runner_id) for r in record.ranks]
     memory = [s.memory_bytes for s in states if s is not None and s.memory_bytes]
     print(f"bench model {whole_bytes} bytes; per rank: weights {sizes}, MLX memory {memory}")
     assert len(memory) == 2 and all(m <= 0.6 * whole_bytes for m in memory), (memory, whole_bytes)

@@ -180,7 +180,7 @@ class Follower:
         memory, peak = self.engine.memory
         changes = {"memory_bytes": memory, "peak_memory_bytes": peak, "updated_at": utcnow()}
         self.state = self.state.model_copy(update=changes)
-        self.store.publish_runner(self.state, status_changed=False)
+        self.store.runners.publish(self.state, status_changed=False)
 
 
 def fail_instance(store: Store, spec: RunnerSpec, cause: str) -> None:
