@@ -14,6 +14,7 @@ measured here for what it costs, not for a speed-up (that needs a second machine
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +48,8 @@ WHOLE = "exo_tasks, the model whole"
 MLX_RING = "mlx_lm.server, mlx.launch ring -n 2"
 HOSTS = ("a", "b")
 MODEL_MEMORY = "MLX memory per rank, loaded"
+# How long the runners get to finish the run's last jobs before their peak memory is read.
+SETTLE_S = 60.0
 
 
 def run(lab: Lab, config: Config, results: Results) -> None:
@@ -174,12 +177,14 @@ def _peak_after_run(
     included (each rank holds its share of the attention heads' keys and values), as each
     runner published it once its batch emptied after the run `began`."""
 
-    def settled() -> list[RunnerState]:
+    deadline = time.monotonic() + SETTLE_S
+    states = holders.runners()
+    while not all(not r.active_jobs and r.updated_at > began for r in states):
+        if time.monotonic() > deadline:  # a loaded machine: what they last published
+            log.warning("instances: runners still busy %.0fs after the run", SETTLE_S)
+            break
+        time.sleep(0.5)
         states = holders.runners()
-        done = all(not r.active_jobs and r.updated_at > began for r in states)
-        return states if done else []
-
-    states = wait_until(settled, 60, "the runners idle after the run") if holders.store else []
     peaks = [r.peak_memory_bytes for r in states if r.peak_memory_bytes is not None]
     if peaks:
         row = f"MLX peak memory per rank, {clients} clients"
