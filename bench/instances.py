@@ -1,7 +1,10 @@
 """Section `instances`: the `bench` model as an instance over two ranks (workers `a` and `b` on
 this machine, each rank its own process) against the same model whole in one runner and against
 `mlx.launch --backend ring -n 2 ... mlx_lm.server` (mlx-lm's own distributed server): tokens/s
-and TTFT at 1, 8 and 32 clients, and resident memory per rank.
+and TTFT at 1, 8 and 32 clients, and memory per rank: the bytes of parameters it holds, the MLX
+memory its model uses (as the runner reports it: after loading, and its peak after the run at
+the most clients) and its resident memory (which also counts the process's Python, MLX and
+mlx-lm, the same in every runner whatever the model; mlx_lm.server reports no MLX memory).
 
 Each contender is started fresh for each client count and stopped before the next one starts,
 as in the throughput section. Two ranks on one 2-core machine share its cores: the instance is
@@ -11,7 +14,9 @@ measured here for what it costs, not for a speed-up (that needs a second machine
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -29,8 +34,10 @@ from bench.contenders import (
     start_mlx_server,
 )
 from bench.results import Op, Results, Target
+from exo_tasks.fleet_types import RunnerState
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
+from exo_tasks.types import utcnow
 from tests.support.processes import EXO_TASKS, Processes, free_port, start_redis, wait_until
 from tests.support.workers import start_worker, worker_env
 
@@ -40,6 +47,9 @@ INSTANCE = "exo_tasks instance, 2 ranks"
 WHOLE = "exo_tasks, the model whole"
 MLX_RING = "mlx_lm.server, mlx.launch ring -n 2"
 HOSTS = ("a", "b")
+MODEL_MEMORY = "MLX memory per rank, loaded"
+# How long the runners get to finish the run's last jobs before their peak memory is read.
+SETTLE_S = 60.0
 
 
 def run(lab: Lab, config: Config, results: Results) -> None:
@@ -49,20 +59,30 @@ def run(lab: Lab, config: Config, results: Results) -> None:
             running, holders = _start(lab, contender, config)
             try:
                 if clients == 1:
-                    _memory(results, contender, holders)
+                    _memory_after_load(results, contender, holders)
                     throughput._ttft_alone(running, config, results, contender)
+                began = utcnow()
                 throughput._under_load(running, config, results, contender, clients)
+                if clients == max(config.concurrency):
+                    _peak_after_run(results, contender, holders, clients, began)
             finally:
                 lab.stop(running.processes)
 
 
 @dataclass
 class Holders:
-    """The processes that hold the model (one per rank), and the most parameter bytes one of
-    them holds (None: not reported)."""
+    """The processes that hold the model (one per rank), the most parameter bytes one of
+    them holds (None: not reported), and their runners' states (exo_tasks only)."""
 
     pids: list[int]
     weights_bytes: int | None = None
+    store: Store | None = None
+    runner_ids: tuple[str, ...] = ()
+
+    def runners(self) -> list[RunnerState]:
+        if self.store is None:
+            return []
+        return [s for r in self.runner_ids if (s := self.store.runners.get(r)) is not None]
 
 
 def _start(lab: Lab, contender: str, config: Config) -> tuple[throughput.Running, Holders]:
@@ -75,7 +95,7 @@ def _start(lab: Lab, contender: str, config: Config) -> tuple[throughput.Running
     runner = stack.store.runners.get(runner_id_for(stack.model, stack.workers[0].host))
     client = throughput.Running(lambda: ExoClient(stack.url, ignore_eos=True), stack.processes)
     assert runner is not None and runner.pid is not None
-    return client, Holders([runner.pid], runner.weights_bytes)
+    return client, Holders([runner.pid], runner.weights_bytes, stack.store, (runner.id,))
 
 
 def _start_instance(lab: Lab, model: Path, tiny: Path) -> tuple[throughput.Running, Holders]:
@@ -103,7 +123,8 @@ def _start_instance(lab: Lab, model: Path, tiny: Path) -> tuple[throughput.Runni
         pids = [r.pid for r in record.ranks if r.pid]
         weights = max(r.weights_bytes or 0 for r in record.ranks)
         up = record.status == "Ready" and len(pids) == len(HOSTS)
-        return Holders(pids, weights) if up else None
+        ranks = tuple(r.runner_id for r in record.ranks)
+        return Holders(pids, weights, store, ranks) if up else None
 
     holders: Holders = wait_until(ready, START_TIMEOUT_S, "the instance Ready", 0.5)
     slug = model_slug(str(model))
@@ -128,10 +149,11 @@ def _descendants(processes: Processes) -> list[psutil.Process]:
     return found
 
 
-def _memory(results: Results, contender: str, holders: Holders) -> None:
-    """Per rank (the largest): resident memory, and the bytes of parameters it holds. The
-    resident memory counts Python and MLX too (about 300 MiB a process here), which a rank does
-    not split: on the small bench model that dominates."""
+def _memory_after_load(results: Results, contender: str, holders: Holders) -> None:
+    """Per rank (the largest), once loaded: the bytes of parameters it holds, the MLX memory
+    its model uses, and its resident memory. The resident memory also counts the process's
+    Python, MLX and mlx-lm (120-150 MiB a runner here), which no split shares out: on the small
+    bench model that is most of it."""
     sizes = []
     for pid in holders.pids:
         try:
@@ -143,6 +165,30 @@ def _memory(results: Results, contender: str, holders: Holders) -> None:
     if holders.weights_bytes:
         weights = holders.weights_bytes / 2**20
         results.sample(SECTION, "weights per rank", contender, "MiB", weights)
+    used = [r.memory_bytes for r in holders.runners() if r.memory_bytes is not None]
+    if used:
+        results.sample(SECTION, MODEL_MEMORY, contender, "MiB", max(used) / 2**20)
+
+
+def _peak_after_run(
+    results: Results, contender: str, holders: Holders, clients: int, began: datetime
+) -> None:
+    """Per rank (the largest): the most MLX memory it used, its KV caches at the most clients
+    included (each rank holds its share of the attention heads' keys and values), as each
+    runner published it once its batch emptied after the run `began`."""
+
+    deadline = time.monotonic() + SETTLE_S
+    states = holders.runners()
+    while not all(not r.active_jobs and r.updated_at > began for r in states):
+        if time.monotonic() > deadline:  # a loaded machine: what they last published
+            log.warning("instances: runners still busy %.0fs after the run", SETTLE_S)
+            break
+        time.sleep(0.5)
+        states = holders.runners()
+    peaks = [r.peak_memory_bytes for r in states if r.peak_memory_bytes is not None]
+    if peaks:
+        row = f"MLX peak memory per rank, {clients} clients"
+        results.sample(SECTION, row, contender, "MiB", max(peaks) / 2**20)
 
 
 def set_targets(results: Results) -> None:
@@ -151,9 +197,10 @@ def set_targets(results: Results) -> None:
     pairs: tuple[tuple[str, str, Op, float, str], ...] = (
         ("tokens/s, 32 clients", MLX_RING, ">=", 1.0, "instance tokens/s at 32 clients"),
         ("weights per rank", WHOLE, "<=", 0.6, "instance weights per rank"),
+        (MODEL_MEMORY, WHOLE, "<=", 0.6, "instance model memory per rank"),
     )
     for row, reference, op, bound, name in pairs:
-        section = SECTION if row.startswith("weights") else "throughput"
+        section = "throughput" if row.startswith("tokens") else SECTION
         measured, ref = results.find(section, row, INSTANCE), results.find(section, row, reference)
         if measured is not None and ref is not None and measured.samples and ref.samples:
             target = f"{name} {op} {bound}x {reference}"

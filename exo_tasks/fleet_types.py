@@ -61,6 +61,14 @@ class RunnerState(BaseModel):
     prompt_cache_bytes: int = Field(
         0, description="Bytes of KV state in the runner's prompt cache (EXO_PROMPT_CACHE_BYTES)."
     )
+    memory_bytes: int | None = Field(
+        None,
+        description="Bytes of MLX memory the runner's model uses now: its parameters, KV caches "
+        "and buffers (MLX's active memory; the process's Python and libraries are not in it).",
+    )
+    peak_memory_bytes: int | None = Field(
+        None, description="The most MLX memory the runner's process has used since it started."
+    )
     lanes: int = Field(1, description="Batches run side by side (one per CPU core on the CPU).")
     tool_calling: bool | None = Field(
         None, description="Whether the model's chat template takes tools (known once loaded)."

@@ -8,6 +8,7 @@ and no ring port survives either."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ import pytest
 from config.settings import Settings
 from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.recovery import HEARTBEAT_TTL_S
+from exo_tasks.runner.sigterm import PATIENCE_S
 from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
 from tests.support.instances import (
     Pair,
@@ -25,13 +27,16 @@ from tests.support.instances import (
     submit,
     wait_gone,
 )
-from tests.support.processes import wait_until
+from tests.support.processes import has_exited, wait_until
 
 DEFAULTS = Settings(_env_file=None)
 # The bound for the ranks left behind: the decode stall limit + the kill escalation (a hung
 # rank gets no grace: SIGTERM, 5 s, SIGKILL, 5 s).
 STOP_BOUND_S = DEFAULTS.decode_timeout_s + TERM_WAIT_S + KILL_WAIT_S
 LONG = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True}
+# A rank 0 blocked in a collective exits on SIGTERM once it has been blocked PATIENCE_S; well
+# before the escalation's SIGKILL (TERM_WAIT_S after SIGTERM).
+BLOCKED_EXIT_S = PATIENCE_S + 1.0
 
 
 def running_job(pair: Pair) -> str:
@@ -60,6 +65,7 @@ def test_sigkill_of_rank_1_stops_rank_0_and_fails_the_instance_naming_rank_1(pai
     pids, ports = pids_and_ports(before)
     os.kill(pids[1], signal.SIGKILL)
     took = wait_gone(pids[0], STOP_BOUND_S, "rank 0 stopped")
+    print(f"rank 1 SIGKILLed: rank 0 gone in {took:.2f}s")
     assert_failed_with(pair, job_id, "rank 1 on host b", "signal 9 SIGKILL")
     assert_nothing_left(pair, pids, ports)
     after = pair.wait_ready(before.generation)
@@ -124,6 +130,7 @@ def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
     try:
         bound = STOP_BOUND_S if busy else HEARTBEAT_TTL_S + TERM_WAIT_S + KILL_WAIT_S
         took = wait_gone(pids[0], bound, "rank 0 stopped")
+        print(f"host b silent ({'mid-job' if busy else 'idle'}): rank 0 gone in {took:.2f}s")
         record = pair.wait_status(InstanceStatus.FAILED, HEARTBEAT_TTL_S)
         assert record.error == "rank 1 on host b: its host's heartbeat is gone", record.error
         if job_id is not None:
@@ -135,6 +142,36 @@ def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
         assert took < bound
     finally:
         thaw(pair, frozen, before)
+
+
+def test_sigterm_ends_rank_0_blocked_in_a_collective_well_before_sigkill(pair: Pair) -> None:
+    """Rank 1 frozen mid-job: rank 0 blocks in its next collective, where no Python handler
+    runs. A SIGTERM still ends it within BLOCKED_EXIT_S (it used to wait for SIGKILL), and the
+    instance and its job say why."""
+    before = pair.wait_ready()
+    job_id = running_job(pair)
+    pids, ports = pids_and_ports(before)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        # Well within the decode stall limit: rank 0's supervisor has not stopped it yet.
+        time.sleep(1.0)
+        assert not has_exited(pids[0])
+        os.kill(pids[0], signal.SIGTERM)
+        took = wait_gone(pids[0], STOP_BOUND_S, "rank 0 stopped")
+        cause = "rank 0 on host a: exitcode=143 (SIGTERM)"
+        record = pair.wait_status(InstanceStatus.FAILED, 10)
+        assert record.error == cause, record.error
+        job = wait_until(
+            lambda: (j := pair.store.jobs.get(job_id)) and j.is_terminal and j, 10, "job"
+        )
+        assert job.status == "failed" and job.error is not None and cause in job.error, job.error
+        print(f"rank 0 blocked in a collective: gone {took:.2f}s after SIGTERM")
+        assert took < BLOCKED_EXIT_S, f"rank 0 took {took:.1f}s to exit on SIGTERM"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+    assert_nothing_left(pair, pids, ports)
+    pair.wait_ready(before.generation)
 
 
 def test_a_warm_shutdown_drains_then_stops_every_rank(pair: Pair) -> None:

@@ -1,8 +1,9 @@
 """An instance of the `chat` preset over two real workers (hosts a and b, one machine) gives the
 text of the same model whole in one runner, byte for byte: greedy and seeded jobs in one batch
 through /v1/jobs, a job's SSE stream, chat completions streamed or not; a cancel ends one job
-and leaves its batch's other texts as they were; on the `bench` preset each rank holds at most
-0.6x the whole model's weights."""
+and leaves its batch's other texts as they were; jobs joining a decoding batch and a next turn
+that hits the prompt cache give the whole model's text too; on the `bench` preset each rank
+holds at most 0.6x the whole model's weights, and reports at most that much MLX memory."""
 
 from __future__ import annotations
 
@@ -84,6 +85,53 @@ def test_a_stream_and_chat_completions_on_an_instance_equal_the_model_whole(pair
         assert streamed_chat == answers[1].choices[0].message.content
 
 
+def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: Pair) -> None:
+    """Each job added while the batch decodes: its plan goes out while the last step still
+    computes (mlx-lm evaluates the next tokens asynchronously). On the model's own stream the
+    plan waits for that step; on another one it overtook it, and rank 1 read the step's
+    activations as a plan (a StepPlan that is not JSON: the instance failed)."""
+    before = pair.instance()
+    requests: list[dict[str, Any]] = [
+        {"prompt": f"joining {i}", "max_tokens": 60, "ignore_eos": True} for i in range(3)
+    ]
+
+    def decoding(job_id: str) -> bool:
+        record = pair.instance()
+        assert record.status == "Ready", record.error
+        return pair.store.jobs.streamed_text(job_id)[1] >= 3
+
+    ids: list[str] = []
+    for request in requests:
+        ids.append(submit(pair, **request))
+        wait_until(lambda: decoding(ids[-1]), 30, f"tokens of job {len(ids)}")
+    jobs = [pair.api.wait_job(job_id) for job_id in ids]
+    whole = run_batch(pair, "whole", requests)
+    assert [outcome(j) for j in jobs] == [outcome(j) for j in whole]
+    after = pair.instance()
+    assert after.status == "Ready" and after.generation == before.generation, after.error
+
+
+def test_a_conversation_s_next_turn_hits_the_prompt_cache_on_an_instance(pair: Pair) -> None:
+    """Rank 0 finds the conversation's first turn in its prompt cache, and every rank reuses
+    its own cache alike (a rank that prefilled another length would wait on collectives the
+    others never enter): most of the next turn's prompt is cached, its text is the whole
+    model's, and the instance stays Ready."""
+    before = pair.instance()
+    system = {"role": "system", "content": "You answer in one line. " * 20}
+    opening: list[dict[str, Any]] = [system, {"role": "user", "content": "cache me"}]
+    nexts = []
+    for model in ("chat", "whole"):
+        first = pair.api.wait_job(pair.api.submit(model=model, messages=opening, max_tokens=8))
+        reply = {"role": "assistant", "content": first["output"]["text"]}
+        turn = [*opening, reply, {"role": "user", "content": "and again"}]
+        nexts.append(pair.api.wait_job(pair.api.submit(model=model, messages=turn, max_tokens=8)))
+        cached = nexts[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first["usage"]["prompt_tokens"] - 1, (model, cached, first["usage"])
+    assert outcome(nexts[0]) == outcome(nexts[1]) and nexts[0]["status"] == "succeeded"
+    after = pair.instance()
+    assert after.status == "Ready" and after.generation == before.generation, after.error
+
+
 def test_cancel_of_one_job_leaves_the_others_texts_unchanged(pair: Pair) -> None:
     requests: list[dict[str, Any]] = [
         {"prompt": f"job {i}", "max_tokens": 120, "ignore_eos": True} for i in range(3)
@@ -116,6 +164,14 @@ def test_each_rank_holds_at_most_0_6_of_the_bench_model(pair: Pair, tmp_path: Pa
 
     sizes = wait_until(ranks_loaded, 180, "the bench instance Ready", 0.5)
     assert all(size <= 0.6 * whole_bytes for size in sizes), (sizes, whole_bytes)
+    # The MLX memory each rank's model uses, as its runner reports it (its parameters and
+    # buffers; a whole runner of this model reports about its parameters' size).
+    record = pair.store.instances.get(instance_id)
+    assert record is not None
+    states = [pair.store.runners.get(r.runner_id) for r in record.ranks]
+    memory = [s.memory_bytes for s in states if s is not None and s.memory_bytes]
+    print(f"bench model {whole_bytes} bytes; per rank: weights {sizes}, MLX memory {memory}")
+    assert len(memory) == 2 and all(m <= 0.6 * whole_bytes for m in memory), (memory, whole_bytes)
     assert pair.api.post(f"/v1/instances/{instance_id}/shutdown", json={"mode": "hard"})
     wait_until(
         lambda: (r := pair.store.instances.get(instance_id)) and r.status == "Shutdown", 30, "stop"

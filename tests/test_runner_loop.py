@@ -29,6 +29,7 @@ class FakeEngine:
     tool_calling = False
     prompt_cache_bytes = 0
     weights_bytes = 0
+    memory = (0, 0)
     prompt_tokenizer = None
 
     def __init__(self) -> None:

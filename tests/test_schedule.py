@@ -18,6 +18,7 @@ from exo_tasks.runner.schedule import (
     StepPlan,
     follow,
 )
+from exo_tasks.runner.sigterm import PATIENCE_S, Collectives
 from exo_tasks.types import SamplingParams
 
 
@@ -63,9 +64,10 @@ class Wire:
         return StepPlan.model_validate_json(self.plans.pop(0))
 
 
-def leader(wire: Wire) -> tuple[LeaderEngine, Recorder]:
+def leader(wire: Wire, collectives: Collectives | None = None) -> tuple[LeaderEngine, Recorder]:
     engine = Recorder()
-    return LeaderEngine(cast(Any, engine), cast(Any, wire)), engine
+    collectives = collectives or Collectives()
+    return LeaderEngine(cast(Any, engine), cast(Any, wire), collectives), engine
 
 
 def test_a_follower_runs_rank_0_s_operations_in_its_order_with_the_same_seeds() -> None:
@@ -115,3 +117,27 @@ def test_plans_carry_only_what_the_engine_uses() -> None:
     plan = StepPlan(ops=[AddJob(job_id="a", prompt_tokens=[1], params=SamplingParams())])
     plan.ops.append(RemoveJob(job_id="a"))
     assert StepPlan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_rank_0_is_inside_a_collective_while_it_steps_and_blocked_once_past_its_patience() -> None:
+    """What rank 0's SIGTERM thread reads (exo_tasks.runner.sigterm): a step (plan and model)
+    is inside a collective; between steps the main thread is not."""
+    collectives = Collectives()
+    rank0, engine = leader(Wire(), collectives)
+    seen: list[float | None] = []
+
+    def step() -> list[TokenDelta]:
+        seen.append(collectives.since)
+        return []
+
+    engine.step = step  # type: ignore[method-assign]
+    rank0.step()
+    assert seen[0] is not None and collectives.since is None
+    collectives.since = 100.0  # inside one since t=100
+    assert not collectives.blocked(termed=90.0, now=100.0 + PATIENCE_S / 2)
+    assert collectives.blocked(termed=90.0, now=100.0 + PATIENCE_S * 1.5)
+    # SIGTERM came later than the collective began: the patience runs from SIGTERM.
+    assert not collectives.blocked(termed=105.0, now=105.0 + PATIENCE_S / 2)
+    assert collectives.blocked(termed=105.0, now=105.0 + PATIENCE_S * 1.5)
+    collectives.since = None
+    assert not collectives.blocked(termed=0.0, now=1000.0)

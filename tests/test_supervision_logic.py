@@ -13,6 +13,7 @@ def test_exit_causes_use_exos_wording() -> None:
     assert exit_cause(-9) == "Terminated (signal 9 SIGKILL)"
     assert exit_cause(-15) == "Terminated (signal 15 SIGTERM)"
     assert exit_cause(1) == "exitcode=1"
+    assert exit_cause(143) == "exitcode=143 (SIGTERM)"  # a runner that exited on SIGTERM itself
     assert exit_cause(0) == "exitcode=0"
 
 

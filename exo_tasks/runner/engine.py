@@ -141,6 +141,11 @@ class BatchEngine:
         return self._weights_bytes
 
     @property
+    def memory(self) -> tuple[int, int]:
+        """MLX's memory in this process, now and at its peak: the model, its caches, buffers."""
+        return int(mx.get_active_memory()), int(mx.get_peak_memory())
+
+    @property
     def largest_batch(self) -> int:
         """The most jobs ever decoding together in one generation step."""
         return self._largest_batch

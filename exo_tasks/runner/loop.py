@@ -26,6 +26,7 @@ from exo_tasks.runner.keep_alive import KeepAlive
 from exo_tasks.runner.outbox import Occupancy, Outbox
 from exo_tasks.runner.process import (
     EXIT_CONFIG,
+    EXIT_TERMINATED,
     EXIT_UNLOADED,
     ConfigError,
     Engine,
@@ -89,7 +90,8 @@ class Runner:
         engine, state = self.engine, self.outbox.state
         if engine is None:  # unloaded: the largest batch it had stays, its cache went with it
             return Occupancy(len(self.active), state.largest_batch)
-        return Occupancy(len(self.active), engine.largest_batch, engine.prompt_cache_bytes)
+        used = (len(self.active), engine.largest_batch, engine.prompt_cache_bytes)
+        return Occupancy(*used, *engine.memory)
 
     @property
     def stopping(self) -> bool:
@@ -159,7 +161,7 @@ class Runner:
     def on_sigterm(self) -> None:
         """The supervisor's second escalation step: stop now (only a flag: this is a handler)."""
         if not self.serving:
-            raise SystemExit(143)
+            raise SystemExit(EXIT_TERMINATED)
         self.terminate_requested = True
 
     # --- the batching loop ---
@@ -178,7 +180,7 @@ class Runner:
                     # worker's incarnation; the recovery loop requeues them once Redis is back
                     # and the worker's heartbeat is gone.
                     log.error("redis unreachable after SIGTERM; exiting without flushing")
-                    raise SystemExit(143) from exc
+                    raise SystemExit(EXIT_TERMINATED) from exc
                 log.warning("redis unreachable or full; runner waits", extra={"error": str(exc)})
                 time.sleep(REDIS_RETRY_S)
 

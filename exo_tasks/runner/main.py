@@ -17,6 +17,7 @@ from typing import Any
 from exo_tasks.logs import configure_logging
 from exo_tasks.runner.loop import Runner
 from exo_tasks.runner.process import RunnerProgress, RunnerSpec
+from exo_tasks.runner.sigterm import Collectives, watch_sigterm
 from exo_tasks.store import Store
 
 log = logging.getLogger("exo_tasks.runner")
@@ -55,8 +56,12 @@ def _run_rank(spec: RunnerSpec, progress: RunnerProgress) -> int:
         # default action ends it at once.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return Follower(spec, progress, store).run()
-    runner = Runner(spec, progress, store, functools.partial(load_leader, store=store))
+    collectives = Collectives()
+    load = functools.partial(load_leader, store=store, collectives=collectives)
+    runner = Runner(spec, progress, store, load)
     signal.signal(signal.SIGTERM, lambda *_: runner.on_sigterm())
+    # A handler cannot run while a collective blocks the main thread: a thread watches.
+    watch_sigterm(collectives)
     try:
         return runner.run()
     except PeerLost as exc:

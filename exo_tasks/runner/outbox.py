@@ -47,12 +47,14 @@ class OutboxStore(Protocol):
 
 
 class Occupancy(NamedTuple):
-    """The runner's jobs (and what they left in its prompt cache) as its published state
-    shows them."""
+    """The runner's jobs (what they left in its prompt cache, the memory its model uses) as
+    its published state shows them."""
 
     active_jobs: int
     largest_batch: int
     prompt_cache_bytes: int = 0
+    memory_bytes: int | None = None  # None: no model loaded
+    peak_memory_bytes: int | None = None
 
 
 class Outbox:
@@ -122,7 +124,8 @@ class Outbox:
         status = self.state.status
         if not stopping:
             status = RunnerStatus.RUNNING if occupancy.active_jobs else RunnerStatus.READY
-        unchanged = status == self.state.status and occupancy == (
+        # The model's memory changes with every step: published with the jobs, not for itself.
+        unchanged = status == self.state.status and occupancy[:3] == (
             self.state.active_jobs,
             self.state.largest_batch,
             self.state.prompt_cache_bytes,

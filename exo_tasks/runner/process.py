@@ -32,6 +32,8 @@ log = logging.getLogger("exo_tasks.runner")
 EXIT_CONFIG = 78  # EX_CONFIG
 # Exit code of a runner that unloaded its idle model: started again on demand, not restarted.
 EXIT_UNLOADED = 3
+# Exit code of a runner that exits on SIGTERM without stopping in order (128 + SIGTERM).
+EXIT_TERMINATED = 143
 
 
 class ConfigError(Exception):
@@ -179,6 +181,8 @@ class Engine(Protocol):
     def prompt_cache_bytes(self) -> int: ...
     @property
     def weights_bytes(self) -> int: ...
+    @property
+    def memory(self) -> tuple[int, int]: ...
     @property
     def prompt_tokenizer(self) -> Tokenizer | None: ...
     def encode(

@@ -23,6 +23,7 @@ from exo_tasks.runner.process import (
     check_model_path,
     rank_failure,
 )
+from exo_tasks.runner.sigterm import Collectives
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 
@@ -103,13 +104,14 @@ def build_engine(spec: RunnerSpec, model: Any, tokenizer: Any) -> BatchEngine:
     )
 
 
-def load_leader(spec: RunnerSpec, store: Store) -> Engine:
+def load_leader(spec: RunnerSpec, store: Store, collectives: Collectives) -> Engine:
     """Rank 0's engine factory for the batching loop: the ring, the shard, a LeaderEngine."""
     from exo_tasks.runner.schedule import Channel, LeaderEngine
 
-    group = join_ring(spec, store)
-    model, tokenizer = load_shard(spec, group)
-    return LeaderEngine(build_engine(spec, model, tokenizer), Channel(group))
+    with collectives.inside():  # mlx joins the ring, and may load, in C: no handler runs
+        group = join_ring(spec, store)
+        model, tokenizer = load_shard(spec, group)
+    return LeaderEngine(build_engine(spec, model, tokenizer), Channel(group), collectives)
 
 
 class Follower:
@@ -119,6 +121,8 @@ class Follower:
     def __init__(self, spec: RunnerSpec, progress: RunnerProgress, store: Store) -> None:
         self.spec, self.progress, self.store = spec, progress, store
         self.state = spec.first_state()
+        self.engine: BatchEngine | None = None
+        self.busy = False
 
     def publish(self, *statuses: RunnerStatus, error: str | None = None, **changes: Any) -> None:
         """Each status in turn, as the runner statuses' table allows (exo_tasks.lifecycle)."""
@@ -143,10 +147,16 @@ class Follower:
         except ConfigError as exc:
             self.publish(RunnerStatus.FAILED, error=str(exc))
             return EXIT_CONFIG
-        engine = build_engine(self.spec, model, tokenizer)
+        self.engine = engine = build_engine(self.spec, model, tokenizer)
         # It warms up when rank 0 does (the first plan): following is what it is ready for.
         ready = (RunnerStatus.LOADED, RunnerStatus.WARMING_UP, RunnerStatus.READY)
-        self.publish(*ready, weights_bytes=engine.weights_bytes)
+        memory, peak = engine.memory
+        self.publish(
+            *ready,
+            weights_bytes=engine.weights_bytes,
+            memory_bytes=memory,
+            peak_memory_bytes=peak,
+        )
         try:
             follow(engine, Channel(group), self._stepped)
         except Exception as exc:
@@ -161,6 +171,16 @@ class Follower:
         self.progress.record(
             active=active, awaiting_first_token=awaiting_first_token, progressed=True
         )
+        if self.busy and not active:  # its batch emptied: show the memory it took
+            self._publish_memory()
+        self.busy = active > 0
+
+    def _publish_memory(self) -> None:
+        assert self.engine is not None
+        memory, peak = self.engine.memory
+        changes = {"memory_bytes": memory, "peak_memory_bytes": peak, "updated_at": utcnow()}
+        self.state = self.state.model_copy(update=changes)
+        self.store.runners.publish(self.state, status_changed=False)
 
 
 def fail_instance(store: Store, spec: RunnerSpec, cause: str) -> None:

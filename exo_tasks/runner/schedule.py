@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from exo_tasks.runner.engine import BatchEngine
 from exo_tasks.runner.lane import TokenDelta
+from exo_tasks.runner.sigterm import Collectives
 from exo_tasks.types import SamplingParams
 
 log = logging.getLogger("exo_tasks.runner.schedule")
@@ -106,9 +107,10 @@ def ended_jobs(deltas: list[TokenDelta]) -> list[str]:
 class LeaderEngine:
     """Rank 0's engine: the runner's Engine, each step shared with the other ranks first."""
 
-    def __init__(self, engine: BatchEngine, channel: Channel) -> None:
+    def __init__(self, engine: BatchEngine, channel: Channel, collectives: Collectives) -> None:
         self.engine = engine
         self.channel = channel
+        self.collectives = collectives  # where a SIGTERM finds the main thread
         self._ops: list[Operation] = []
         self._ended: list[str] = []
 
@@ -118,6 +120,7 @@ class LeaderEngine:
     tool_calling = property(lambda self: self.engine.tool_calling)
     prompt_cache_bytes = property(lambda self: self.engine.prompt_cache_bytes)
     weights_bytes = property(lambda self: self.engine.weights_bytes)
+    memory = property(lambda self: self.engine.memory)
     prompt_tokenizer = property(lambda self: self.engine.prompt_tokenizer)
     encode = property(lambda self: self.engine.encode)  # rank 0 alone tokenizes
 
@@ -134,8 +137,9 @@ class LeaderEngine:
         self._ops.append(RemoveJob(job_id=job_id))
 
     def step(self) -> list[TokenDelta]:
-        self._send("step")
-        deltas = self.engine.step()
+        with self.collectives.inside():
+            self._send("step")
+            deltas = self.engine.step()
         # A collective inside the step that lost its peer fails the lane's jobs as deltas.
         lost = next((d.error for d in deltas if d.error and is_ring_error(d.error)), None)
         if lost is not None:
@@ -144,12 +148,14 @@ class LeaderEngine:
         return deltas
 
     def warmup(self) -> None:
-        self._send("warmup")
-        self.engine.warmup()
+        with self.collectives.inside():
+            self._send("warmup")
+            self.engine.warmup()
 
     def close(self) -> None:
         """Release the followers (they leave their loop), then the engine."""
-        self._send("close")
+        with self.collectives.inside():
+            self._send("close")
         self.engine.close()
 
     def _send(self, action: Literal["step", "warmup", "close"]) -> None:

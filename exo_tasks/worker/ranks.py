@@ -272,14 +272,25 @@ class RankKeeper:
             self.store.instances.set_rank(instance.id, instance.generation, changed)
 
     def _on_exit(self, handle: RunnerHandle, exitcode: int, cause: str) -> None:
-        """The supervisor saw one of our ranks exit (any cause; in a thread of its own)."""
+        """The supervisor saw one of our ranks exit (any cause; in a thread of its own). Its
+        runner's state shows the exit only once the instance's cause is settled and rank 0's
+        jobs failed with it: a job's task that saw the runner gone first would fail the job
+        with a cause of its own."""
         spec = handle.spec
         assert spec.rank is not None
         self._stopping.discard(spec.runner_id)
         last = self.store.runners.get(spec.runner_id)
         if last is not None and last.status == RunnerStatus.FAILED and last.error:
             cause = f"{last.error} ({cause})"  # it said why before it exited
-        self._publish_exit(spec, exitcode, cause)
+        try:
+            self._settle_exit(handle, exitcode, cause)
+        finally:
+            self._publish_exit(spec, exitcode, cause)
+        log.info("rank exited", extra={"runner": spec.runner_id, "cause": exit_cause(exitcode)})
+
+    def _settle_exit(self, handle: RunnerHandle, exitcode: int, cause: str) -> None:
+        spec = handle.spec
+        assert spec.rank is not None
         instance = self.store.instances.get(spec.rank.instance_id)
         if instance is None or instance.generation != spec.rank.generation:
             return
@@ -302,7 +313,6 @@ class RankKeeper:
             failed = self.store.runners.fail_jobs(spec.runner_id, error)
             if failed:
                 log.error("jobs failed with their instance", extra={"jobs": ",".join(failed)})
-        log.info("rank exited", extra={"runner": spec.runner_id, "cause": exit_cause(exitcode)})
 
     def _publish_exit(self, spec: RunnerSpec, exitcode: int, cause: str) -> None:
         """The rank runner's last state, as the supervisor publishes a runner's: Shutdown after

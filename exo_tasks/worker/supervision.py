@@ -29,11 +29,14 @@ HEALTHY_UPTIME_S = 60.0
 
 
 def exit_cause(exitcode: int | None) -> str:
-    """exo's wording: 'Terminated (signal 9 SIGKILL)' for a signal, 'exitcode=N' otherwise."""
+    """exo's wording: 'Terminated (signal 9 SIGKILL)' for a signal, 'exitcode=N' otherwise
+    ('exitcode=143 (SIGTERM)' for a runner that exited on SIGTERM by itself)."""
     if exitcode is None:
         return "still running"
     if exitcode < 0:
         return f"Terminated (signal {-exitcode} {signal.Signals(-exitcode).name})"
+    if exitcode == runner_process.EXIT_TERMINATED:  # it exited on SIGTERM itself
+        return f"exitcode={exitcode} (SIGTERM)"
     return f"exitcode={exitcode}"
 
 
