@@ -78,10 +78,32 @@ def finish(task: Task[Any, Any], job_id: str, job: JobEnding | None) -> dict[str
         _revoked(task, job_id)
         raise Ignore()
     if job.status in (JobStatus.FAILED, JobStatus.TIMED_OUT):
-        raise JobEnded(f"job {job.status}: {job.error or job.output.finish_reason}")
+        # Not chained to what was being handled (a soft limit cuts a Redis read anywhere):
+        # the recorded traceback is this one, a few lines that name the reason.
+        raise JobEnded(_failure(task, job)) from None
     if not job.is_terminal:
         raise Ignore()
     return {"job_id": job.id, "status": job.status, "finish_reason": job.output.finish_reason}
+
+
+def _failure(task: Task[Any, Any], job: JobEnding) -> str:
+    """Why a job failed; for a time limit, which one and how many seconds."""
+    if job.output.finish_reason != "time_limit":
+        return f"job {job.status}: {job.error}"
+    hard_s, soft_s = task.request.timelimit or (None, None)
+    if job.status == JobStatus.TIMED_OUT:
+        return (
+            f"job timed_out: its soft time limit{_seconds(soft_s)} was reached (the job's "
+            "timeout_s, else EXO_JOB_SOFT_TIME_LIMIT_S); the text so far is kept"
+        )
+    return (
+        f"job failed: its hard time limit{_seconds(hard_s)} was reached (the soft limit + "
+        "EXO_JOB_HARD_GRACE_S)"
+    )
+
+
+def _seconds(limit_s: float | None) -> str:
+    return f" of {limit_s:g}s" if limit_s else ""
 
 
 def _revoked(task: Task[Any, Any], job_id: str) -> None:

@@ -63,6 +63,23 @@ class TestFinish:
         with pytest.raises(JobEnded, match=f"job {status}: runner gone"):
             finish(task, job.id, job)
 
+    @pytest.mark.parametrize(
+        ("status", "limit"),
+        [(RS.TIMED_OUT, "soft time limit of 1.5s"), (RS.FAILED, "hard time limit of 31.5s")],
+    )
+    def test_a_time_limit_is_named_with_its_seconds_and_nothing_chained(
+        self, task: FakeTask, status: JobStatus, limit: str
+    ) -> None:
+        task.request.timelimit = (31.5, 1.5)  # Celery's (hard, soft)
+        job = new_job(status=status)
+        job.output.finish_reason = "time_limit"
+        try:
+            raise TimeoutError("the Redis read the soft limit cut")
+        except TimeoutError:
+            with pytest.raises(JobEnded, match=f"job {status}: its {limit} was reached") as ended:
+                finish(task, job.id, job)
+        assert ended.value.__suppress_context__ and ended.value.__cause__ is None
+
     @pytest.mark.parametrize("status", [RS.QUEUED, RS.RUNNING])
     def test_a_job_still_active_leaves_the_tasks_state_to_its_attempt(
         self, task: FakeTask, status: JobStatus
