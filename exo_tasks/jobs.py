@@ -5,6 +5,7 @@ exo_tasks.api.streams."""
 
 from __future__ import annotations
 
+import enum
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -211,16 +212,25 @@ def get_or_404(store: Store, job_id: str) -> JobRecord:
     return job
 
 
-def cancel(store: Store, job_id: str) -> JobRecord:
-    """Cancel a job, from the route or a streaming client that went away. A queued job ends
-    `cancelled` at once and never runs; a running one is ended by its runner at the next step
-    with its partial text (the runner keeps its model). A running job whose worker is gone is
-    ended here, and a cancel is final: no later attempt of the job runs. Returns the job as
-    it is now."""
+class CancelledBy(enum.StrEnum):
+    """Who cancelled a job, as its task in Flower says why it ended."""
+
+    API = "cancelled through the API"
+    REVOKE = "revoked in Flower (or by celery control revoke)"
+    CLIENT_GONE = "cancelled: its streaming client went away or fell behind"
+    WAIT_ENDED = "cancelled: its request's wait ran past the job's time limits"
+    BATCH = "cancelled with its batch"
+
+
+def cancel(store: Store, job_id: str, by: CancelledBy) -> JobRecord:
+    """Cancel a job, for `by`. A queued job ends `cancelled` at once and never runs; a running
+    one is ended by its runner at the next step with its partial text (the runner keeps its
+    model). A running job whose worker is gone is ended here, and a cancel is final: no later
+    attempt of the job runs. Returns the job as it is now."""
     job = get_or_404(store, job_id)
     if not job.is_terminal:
         # First, so that an attempt that ends by requeue from now on ends cancelled instead.
-        store.jobs.request_cancel(job_id)
+        store.jobs.request_cancel(job_id, by)
         job = get_or_404(store, job_id)
     while job.status == JobStatus.QUEUED:
         move = lifecycle.cancel_queued(job)

@@ -25,6 +25,8 @@ from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wa
 from tests.support.workers import runner_state
 
 AUTH = ("admin", "s3cret")
+BY_API = "cancelled through the API"
+BY_REVOKE = "revoked in Flower (or by celery control revoke)"
 BETA = {"model": "beta"}  # served by fleet-y only
 
 
@@ -97,6 +99,12 @@ def flower(
         processes.stop_all()
 
 
+def ended_as(task: dict[str, Any]) -> dict[str, Any]:
+    """A REVOKED task's result in Flower: its job's final tokens and who cancelled it."""
+    ended: dict[str, Any] = ast.literal_eval(task["result"])
+    return ended
+
+
 def result_of(stack: Stack, task_id: str) -> AsyncResult[Any]:
     return AsyncResult(task_id, app=stack.api.app.extensions["exo"].celery)
 
@@ -132,10 +140,15 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
         assert str(result.state) == "STARTED" and result.info["max_tokens"] == 4000
     finally:
         assert stack.api.post(f"/v1/jobs/{long_id}/cancel").status_code == 202
-    # A job cancelled through the API: its task is REVOKED, in Flower and in the backend.
-    assert stack.api.wait_job(long_id)["status"] == "cancelled"
-    flower.wait_state(long_id, "REVOKED")
-    assert str(result_of(stack, long_id).state) == "REVOKED"
+    # A job cancelled through the API: its task is REVOKED, in Flower and in the backend, with
+    # its final tokens (not its last progress report's) and who cancelled it.
+    job = stack.api.wait_job(long_id)
+    assert job["status"] == "cancelled"
+    tokens = job["usage"]["completion_tokens"]
+    revoked = flower.wait_state(long_id, "REVOKED")
+    assert ended_as(revoked) == {"tokens": tokens, "max_tokens": 4000, "reason": BY_API}
+    result = result_of(stack, long_id)
+    assert str(result.state) == "REVOKED" and str(result.info) == f"{BY_API} ({tokens} tokens)"
 
     short_id = stack.api.submit(prompt="short", max_tokens=8, **BETA)
     assert stack.api.wait_job(short_id)["status"] == "succeeded"
@@ -186,7 +199,10 @@ def test_a_revoke_from_flower_cancels_the_job_and_spares_its_pool_child_and_mode
     # The same ending as POST /v1/jobs/<id>/cancel: the partial text kept.
     assert job["status"] == "cancelled" and job["output"]["finish_reason"] == "cancelled"
     assert 0 < job["usage"]["completion_tokens"] < 4000 and job["output"]["text"]
-    assert flower.wait_state(job_id, "REVOKED")["worker"] == "exo@fleet-y"
+    task = flower.wait_state(job_id, "REVOKED")
+    assert task["worker"] == "exo@fleet-y"
+    tokens = job["usage"]["completion_tokens"]
+    assert ended_as(task) == {"tokens": tokens, "max_tokens": 4000, "reason": BY_REVOKE}
     assert str(result_of(stack, job_id).state) == "REVOKED"
 
     # No process was signalled: the same pool children, the same runner with its one load.
@@ -197,6 +213,22 @@ def test_a_revoke_from_flower_cancels_the_job_and_spares_its_pool_child_and_mode
     # The pool runs the next job.
     next_id = stack.api.submit(prompt="next", max_tokens=4, **BETA)
     assert stack.api.wait_job(next_id)["status"] == "succeeded"
+
+
+def test_a_task_whose_streaming_client_went_away_shows_why_it_ended(
+    stack: Stack, flower: Flower
+) -> None:
+    body = {"prompt": "go on", "max_tokens": 4000, "ignore_eos": True, "stream": True, **BETA}
+    response = stack.api.post("/v1/completions", json=body, stream=True)
+    job_id = response.headers["X-Exo-Job-Id"]
+    wait_tokens(stack, job_id)
+    response.close()
+    job = stack.api.wait_job(job_id, timeout_s=5)
+    assert job["status"] == "cancelled"
+    reason = "cancelled: its streaming client went away or fell behind"
+    tokens = job["usage"]["completion_tokens"]
+    task = flower.wait_state(job_id, "REVOKED")
+    assert ended_as(task) == {"tokens": tokens, "max_tokens": 4000, "reason": reason}
 
 
 def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
@@ -216,7 +248,7 @@ def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
     # This task's own few frames, not the Redis read the limit cut (a chain of 60 lines that
     # read like a Redis crash).
     assert "During handling" not in timed["traceback"] and "redis" not in timed["traceback"]
-    assert len(timed["traceback"].splitlines()) <= 12, timed["traceback"]
+    assert timed["traceback"].count('  File "') <= 4, timed["traceback"]  # Celery's 2, ours 2
     task = flower.wait_state(failed_id, "FAILURE")
     assert "job failed" in task["exception"] and failed["error"][:40] in task["exception"]
     result = result_of(stack, failed_id)

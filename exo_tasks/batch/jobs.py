@@ -21,4 +21,4 @@ def cancel_inflight(store: Store, batch: Batch) -> None:
     """Cancel every job of the batch still running or queued (their runners keep the model)."""
     for line in store.batches.inflight(batch.id):
         with contextlib.suppress(ExoError):
-            jobs.cancel(store, line_job_id(batch.id, line))
+            jobs.cancel(store, line_job_id(batch.id, line), jobs.CancelledBy.BATCH)

@@ -300,10 +300,15 @@ class JobRecords(RedisPart):
         """Record the queue a job's message was sent to anew (jobs.resend)."""
         self.redis.hset(job_key(job_id), "queue", queue)
 
-    def request_cancel(self, job_id: str) -> None:
+    def request_cancel(self, job_id: str, by: str) -> None:
         """Remember that a running job's cancel was accepted, so that no later attempt runs it
-        if its worker dies before the runner ends it."""
-        self.redis.hset(job_key(job_id), "cancel", 1)
+        if its worker dies before the runner ends it; and who asked first (`by`, for Flower)."""
+        self.redis.hsetnx(job_key(job_id), "cancel", by)
+
+    def cancel_reason(self, job_id: str) -> str | None:
+        """Who cancelled the job first (request_cancel), None if nobody did."""
+        reason: str | None = self.redis.hget(job_key(job_id), "cancel")
+        return reason
 
     def active(self) -> list[JobWhereabouts]:
         """Every job queued or running, wherever it is: its status and whereabouts only (the

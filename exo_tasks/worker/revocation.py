@@ -65,7 +65,7 @@ def _cancel(app: ExoCelery, job_id: str, terminate: bool, signal: str | None) ->
     """Cancel the job `job_id` names; False if it names none."""
     extra = {"job_id": job_id, "terminate": terminate, "signal": signal}
     try:
-        jobs.cancel(app.store, job_id)
+        jobs.cancel(app.store, job_id, jobs.CancelledBy.REVOKE)
     except NotFound:
         return False
     except (ExoError, redis.RedisError) as exc:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 from celery import Task, states
 from celery.exceptions import Ignore
 from kombu.exceptions import KombuError
 
-from exo_tasks.types import JobEnding, JobStatus
+from exo_tasks.celery_app import ExoCelery
+from exo_tasks.types import JobEnding, JobRecord, JobStatus
 
 log = logging.getLogger("exo_tasks.tasks")
 # A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
@@ -66,16 +67,21 @@ class TaskProgress:
             return False
 
 
-def finish(task: Task[Any, Any], job_id: str, job: JobEnding | None) -> dict[str, Any]:
+def finish(
+    task: Task[Any, Any], job_id: str, job: JobEnding | None, max_tokens: int | None = None
+) -> dict[str, Any]:
     """End the task as its job ended. A succeeded job (or an unknown one) is the task's result;
-    a cancelled one makes the task `REVOKED` (stored and announced here, then the task is
-    ignored so that Celery stores nothing over it); a failed or timed-out one raises JobEnded,
-    the task's FAILURE. A job still running (a duplicate message, while another attempt runs
-    it) leaves the task's state to that attempt."""
+    a cancelled one makes the task `REVOKED` with its final tokens and who cancelled it (stored
+    and announced here, then the task is ignored so that Celery stores nothing over it); a
+    failed or timed-out one raises JobEnded, the task's FAILURE. A job still running (a
+    duplicate message, while another attempt runs it) leaves the task's state to that attempt.
+    `max_tokens`: the job's, when `job` is an ending without its request."""
     if job is None:  # unknown, or expired
         return {"job_id": job_id, "status": "unknown"}
+    if isinstance(job, JobRecord):
+        max_tokens = job.request.max_tokens
     if job.status == JobStatus.CANCELLED:
-        _revoked(task, job_id)
+        _revoked(task, job, max_tokens)
         raise Ignore()
     if job.status in (JobStatus.FAILED, JobStatus.TIMED_OUT):
         # Not chained to what was being handled (a soft limit cuts a Redis read anywhere):
@@ -106,12 +112,26 @@ def _seconds(limit_s: float | None) -> str:
     return f" of {limit_s:g}s" if limit_s else ""
 
 
-def _revoked(task: Task[Any, Any], job_id: str) -> None:
+def _revoked(task: Task[Any, Any], job: JobEnding, max_tokens: int | None) -> None:
+    """REVOKED, with the job's final tokens and why it ended: the last progress report (a
+    `task-started` event) would otherwise stay the task's result in Flower."""
+    reason = _cancel_reason(task, job)
+    tokens = job.usage.completion_tokens
     try:
-        task.backend.mark_as_revoked(job_id, "cancelled", request=task.request)
+        task.backend.mark_as_revoked(job.id, f"{reason} ({tokens} tokens)", request=task.request)
     except (redis.RedisError, KombuError) as exc:
-        log.warning("revoked state not stored", extra={"job_id": job_id, "error": str(exc)})
-    _send(task, "task-revoked", terminated=False, signum=None, expired=False)
+        log.warning("revoked state not stored", extra={"job_id": job.id, "error": str(exc)})
+    ended = {"tokens": tokens, "max_tokens": max_tokens, "reason": reason}
+    _send(task, "task-revoked", terminated=False, signum=None, expired=False, result=repr(ended))
+
+
+def _cancel_reason(task: Task[Any, Any], job: JobEnding) -> str:
+    """Who cancelled the job (exo_tasks.jobs.CancelledBy), else how its runner ended it."""
+    try:
+        reason = cast(ExoCelery, task.app).store.jobs.cancel_reason(job.id)
+    except redis.RedisError:
+        reason = None
+    return reason or f"cancelled ({job.output.finish_reason})"
 
 
 def _send(task: Task[Any, Any], event: str, **fields: Any) -> None:

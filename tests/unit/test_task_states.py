@@ -9,7 +9,8 @@ import pytest
 from celery import states
 from celery.exceptions import Ignore
 
-from exo_tasks.types import JobStatus
+from exo_tasks import jobs
+from exo_tasks.types import JobEnding, JobStatus
 from exo_tasks.worker import task_states
 from exo_tasks.worker.task_states import JobEnded, TaskProgress
 from tests.unit.fakes import FakeClock, FakeStore, FakeTask, clock_of, new_job
@@ -22,8 +23,8 @@ def task() -> FakeTask:
     return FakeTask(FakeStore())
 
 
-def finish(task: FakeTask, job_id: str, job: Any) -> dict[str, Any]:
-    return task_states.finish(cast(Any, task), job_id, job)
+def finish(task: FakeTask, job_id: str, job: Any, max_tokens: int | None = None) -> dict[str, Any]:
+    return task_states.finish(cast(Any, task), job_id, job, max_tokens)
 
 
 class TestFinish:
@@ -47,6 +48,21 @@ class TestFinish:
             finish(task, job.id, job)
         assert task.backend.revoked == [job.id]
         assert [event for event, _ in task.sent] == ["task-revoked"]
+
+    def test_a_revoked_task_shows_its_final_tokens_and_who_cancelled_it(
+        self, task: FakeTask
+    ) -> None:
+        job = new_job(status=RS.CANCELLED)
+        job.usage.completion_tokens = 134
+        task.app.store.jobs.request_cancel(job.id, jobs.CancelledBy.REVOKE)
+        task.app.store.jobs.request_cancel(job.id, jobs.CancelledBy.API)  # the first one counts
+        with pytest.raises(Ignore):
+            ending = JobEnding.model_validate(job.model_dump(exclude={"request"}))
+            finish(task, job.id, ending, max_tokens=40)  # an ending has no request
+        [(_, fields)] = task.sent
+        reason = "revoked in Flower (or by celery control revoke)"
+        assert fields["result"] == repr({"tokens": 134, "max_tokens": 40, "reason": reason})
+        assert task.backend.reasons == [f"{reason} (134 tokens)"]
 
     def test_a_cancelled_job_is_revoked_even_when_the_backend_is_down(self, task: FakeTask) -> None:
         task.backend.fails = True
