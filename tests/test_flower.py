@@ -28,6 +28,7 @@ AUTH = ("admin", "s3cret")
 BY_API = "cancelled through the API"
 BY_REVOKE = "revoked in Flower (or by celery control revoke)"
 BETA = {"model": "beta"}  # served by fleet-y only
+BETA_RUNNER = "beta@fleet-y"
 
 
 @dataclass
@@ -131,6 +132,8 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
         )
         progress = ast.literal_eval(info["result"])
         assert progress["max_tokens"] == 4000 and 0 < progress["tokens"] < 4000
+        # The runner that runs it (Flower names only the worker).
+        assert progress["runner"] == BETA_RUNNER
         assert info["worker"] == "exo@fleet-y" and info["name"] == "exo.inference"
         # Flower's "Started" filter finds it, and its Terminate button is drawn.
         assert long_id in flower.tasks(state="STARTED")
@@ -146,7 +149,12 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
     assert job["status"] == "cancelled"
     tokens = job["usage"]["completion_tokens"]
     revoked = flower.wait_state(long_id, "REVOKED")
-    assert ended_as(revoked) == {"tokens": tokens, "max_tokens": 4000, "reason": BY_API}
+    assert ended_as(revoked) == {
+        "tokens": tokens,
+        "max_tokens": 4000,
+        "runner": BETA_RUNNER,
+        "reason": BY_API,
+    }
     result = result_of(stack, long_id)
     assert str(result.state) == "REVOKED" and str(result.info) == f"{BY_API} ({tokens} tokens)"
 
@@ -155,6 +163,9 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
     task = flower.wait_state(short_id, "SUCCESS")
     assert task["name"] == "exo.inference" and task["worker"] == "exo@fleet-y"
     assert "'status': 'succeeded'" in task["result"]
+    assert f"'runner': '{BETA_RUNNER}'" in task["result"]
+    # Its client, as Flower names it, says what sent it.
+    assert re.fullmatch(r"exo-api@\S+ \(pid \d+\)", task["client"]), task["client"]
 
 
 def test_flowers_api_asks_for_basic_auth_in_the_realm_of_its_pages(flower: Flower) -> None:
@@ -202,7 +213,12 @@ def test_a_revoke_from_flower_cancels_the_job_and_spares_its_pool_child_and_mode
     task = flower.wait_state(job_id, "REVOKED")
     assert task["worker"] == "exo@fleet-y"
     tokens = job["usage"]["completion_tokens"]
-    assert ended_as(task) == {"tokens": tokens, "max_tokens": 4000, "reason": BY_REVOKE}
+    assert ended_as(task) == {
+        "tokens": tokens,
+        "max_tokens": 4000,
+        "runner": BETA_RUNNER,
+        "reason": BY_REVOKE,
+    }
     assert str(result_of(stack, job_id).state) == "REVOKED"
 
     # No process was signalled: the same pool children, the same runner with its one load.
@@ -228,7 +244,12 @@ def test_a_task_whose_streaming_client_went_away_shows_why_it_ended(
     reason = "cancelled: its streaming client went away or fell behind"
     tokens = job["usage"]["completion_tokens"]
     task = flower.wait_state(job_id, "REVOKED")
-    assert ended_as(task) == {"tokens": tokens, "max_tokens": 4000, "reason": reason}
+    assert ended_as(task) == {
+        "tokens": tokens,
+        "max_tokens": 4000,
+        "runner": BETA_RUNNER,
+        "reason": reason,
+    }
 
 
 def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
@@ -238,13 +259,15 @@ def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
     # One token per character with the tiny model: over EXO_MAX_PROMPT_TOKENS (8192), which
     # only the runner counts.
     failed_id = stack.api.submit(prompt="a" * 9000, max_tokens=4, **BETA)
-    assert stack.api.wait_job(timed_id)["status"] == "timed_out"
+    timed_job = stack.api.wait_job(timed_id)
+    assert timed_job["status"] == "timed_out" and timed_job["runner_id"] == BETA_RUNNER
     failed = stack.api.wait_job(failed_id)
     assert failed["status"] == "failed" and failed["error"]
 
     timed = flower.wait_state(timed_id, "FAILURE")
     assert "JobEnded" in timed["exception"]
-    assert "timed_out: its soft time limit of 1s was reached" in timed["exception"]
+    limit = f"timed_out on runner {BETA_RUNNER}: its soft time limit of 1s was reached"
+    assert limit in timed["exception"]
     # This task's own few frames, not the Redis read the limit cut (a chain of 60 lines that
     # read like a Redis crash).
     assert "During handling" not in timed["traceback"] and "redis" not in timed["traceback"]

@@ -154,7 +154,7 @@ def create_worker_app(settings: Settings) -> ExoCelery:
     if RunnerSupervisorStep not in (components.Pool.requires or ()):
         components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
     close_every_channel()  # or a Redis restart can end the worker (exo_tasks/broker.py)
-    app = ExoCelery(settings)
+    app = ExoCelery(settings, role="worker")
     app.steps["worker"].add(RunnerSupervisorStep)
     revocation.register()  # Flower's revoke and terminate cancel the job
     return app

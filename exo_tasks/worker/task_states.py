@@ -32,20 +32,24 @@ class JobEnded(Exception):
 
 
 class TaskProgress:
-    """A job's tokens so far, as its task's `STARTED` state (meta `tokens`, `max_tokens`) for
-    result readers and a `task-started` event carrying it as `result` for Flower, at most every
-    PROGRESS_EVERY_S and only as a best effort. The tokens are the events in the job's stream
-    since the attempt began."""
+    """A job's tokens so far, as its task's `STARTED` state (meta `tokens`, `max_tokens` and
+    the `runner` that runs it: Flower names only the worker) for result readers and a
+    `task-started` event carrying it as `result` for Flower, at most every PROGRESS_EVERY_S and
+    only as a best effort. The tokens are the events in the job's stream since the attempt
+    began."""
 
-    def __init__(self, task: Task[Any, Any], max_tokens: int, events_before: int) -> None:
+    def __init__(
+        self, task: Task[Any, Any], max_tokens: int, events_before: int, runner: str
+    ) -> None:
         self.task = task
         self.max_tokens = max_tokens
         self.events_before = events_before
+        self.runner = runner
         self.tokens = 0
         # The event would otherwise move Flower's "started" time to each report's.
         self.started_at = time.time()
         self.reported_at = time.monotonic()
-        self._store({"tokens": 0, "max_tokens": max_tokens})
+        self._store({"tokens": 0, "max_tokens": max_tokens, "runner": runner})
 
     def update(self, events: int) -> None:
         tokens = events - self.events_before
@@ -53,12 +57,12 @@ class TaskProgress:
         if tokens == self.tokens or now - self.reported_at < PROGRESS_EVERY_S:
             return
         self.tokens, self.reported_at = tokens, now
-        meta = {"tokens": tokens, "max_tokens": self.max_tokens}
+        meta = {"tokens": tokens, "max_tokens": self.max_tokens, "runner": self.runner}
         if self._store(meta):
             # Flower shows a task's `result` as a repr, as in task-succeeded events.
             _send(self.task, "task-started", result=repr(meta), started=self.started_at)
 
-    def _store(self, meta: dict[str, int]) -> bool:
+    def _store(self, meta: dict[str, Any]) -> bool:
         try:
             self.task.update_state(state=states.STARTED, meta=meta)
             return True
@@ -89,21 +93,28 @@ def finish(
         raise JobEnded(_failure(task, job)) from None
     if not job.is_terminal:
         raise Ignore()
-    return {"job_id": job.id, "status": job.status, "finish_reason": job.output.finish_reason}
+    return {
+        "job_id": job.id,
+        "status": job.status,
+        "finish_reason": job.output.finish_reason,
+        "tokens": job.usage.completion_tokens,
+        "runner": job.runner_id,
+    }
 
 
 def _failure(task: Task[Any, Any], job: JobEnding) -> str:
     """Why a job failed; for a time limit, which one and how many seconds."""
+    on = f" on runner {job.runner_id}" if job.runner_id else ""
     if job.output.finish_reason != "time_limit":
-        return f"job {job.status}: {job.error}"
+        return f"job {job.status}{on}: {job.error}"
     hard_s, soft_s = task.request.timelimit or (None, None)
     if job.status == JobStatus.TIMED_OUT:
         return (
-            f"job timed_out: its soft time limit{_seconds(soft_s)} was reached (the job's "
+            f"job timed_out{on}: its soft time limit{_seconds(soft_s)} was reached (the job's "
             "timeout_s, else EXO_JOB_SOFT_TIME_LIMIT_S); the text so far is kept"
         )
     return (
-        f"job failed: its hard time limit{_seconds(hard_s)} was reached (the soft limit + "
+        f"job failed{on}: its hard time limit{_seconds(hard_s)} was reached (the soft limit + "
         "EXO_JOB_HARD_GRACE_S)"
     )
 
@@ -121,7 +132,7 @@ def _revoked(task: Task[Any, Any], job: JobEnding, max_tokens: int | None) -> No
         task.backend.mark_as_revoked(job.id, f"{reason} ({tokens} tokens)", request=task.request)
     except (redis.RedisError, KombuError) as exc:
         log.warning("revoked state not stored", extra={"job_id": job.id, "error": str(exc)})
-    ended = {"tokens": tokens, "max_tokens": max_tokens, "reason": reason}
+    ended = {"tokens": tokens, "max_tokens": max_tokens, "runner": job.runner_id, "reason": reason}
     _send(task, "task-revoked", terminated=False, signum=None, expired=False, result=repr(ended))
 
 

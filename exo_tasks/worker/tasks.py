@@ -137,7 +137,9 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
             return task_states.finish(self, job_id, store.jobs.get(job_id))  # cancelled meanwhile
         log.info("job handed to runner", extra=extra)
         max_tokens = prepared.job.request.max_tokens
-        progress = task_states.TaskProgress(self, max_tokens, attempt.events_before)
+        progress = task_states.TaskProgress(
+            self, max_tokens, attempt.events_before, attempt.runner.id
+        )
         final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
         _remember_prefixes(self, prepared.job, final)
         return task_states.finish(self, job_id, final, max_tokens)
