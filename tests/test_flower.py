@@ -20,6 +20,7 @@ import requests
 from celery import states
 from celery.result import AsyncResult
 
+from exo_tasks.naming import host_queue
 from tests.conftest import LONG, Stack, TwoHosts, wait_tokens
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
 from tests.support.workers import runner_state
@@ -290,25 +291,49 @@ def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
             )
 
 
-def test_a_revoke_from_flower_of_a_queued_job_means_it_never_runs(
+def waiting(stack: Stack, flower: Flower, host: str = "fleet-x") -> tuple[int, int]:
+    """The messages waiting in `host`'s own queue, as GET /v1/hosts (`exo-tasks hosts`) and
+    Flower's Broker page (its API) count them."""
+    queue = host_queue(host)
+    hosts = stack.api.get("/v1/hosts").json()
+    ours = next(h for h in hosts if h["name"] == host)["queues"][queue]
+    lengths = flower.get("/api/queues/length", auth=AUTH).json()["active_queues"]
+    flowers = next(q["messages"] for q in lengths if q["name"] == queue)
+    return ours, flowers
+
+
+def test_a_job_cancelled_while_queued_is_revoked_at_once_and_waits_in_no_queue(
     stack: Stack, flower: Flower
 ) -> None:
-    # fleet-x has one pool child: a job pinned there waits behind the busy one.
+    # fleet-x has one pool child: jobs pinned there wait behind the busy one, in its queue.
     busy = stack.api.submit(**LONG, host="fleet-x", model="alpha")
     wait_tokens(stack, busy)
-    queued = stack.api.submit(prompt="never", max_tokens=8, host="fleet-x", model="alpha")
-    flower.revoke(queued)
-    job = stack.api.wait_job(queued, timeout_s=3)
-    assert job["status"] == "cancelled" and job["started_at"] is None
-    assert stack.api.get(f"/v1/jobs/{busy}").json()["status"] == "running"
+    pinned = {"prompt": "never", "max_tokens": 8, "host": "fleet-x", "model": "alpha"}
+    try:
+        by_flower, by_api = stack.api.submit(**pinned), stack.api.submit(**pinned)
+        assert waiting(stack, flower) == (2, 2)
 
-    flower.revoke(busy, terminate="true")
+        flower.revoke(by_flower)
+        assert stack.api.post(f"/v1/jobs/{by_api}/cancel").status_code == 202
+        for job_id, reason in ((by_flower, BY_REVOKE), (by_api, BY_API)):
+            # Before, PENDING until a worker took the message: 30 s and 80 s in two runs.
+            task = flower.wait_state(job_id, "REVOKED", timeout_s=3)
+            ended = {"tokens": 0, "max_tokens": 8, "runner": None, "reason": reason}
+            assert ended_as(task) == ended
+            assert task["worker"].startswith("exo@")  # the worker that withdrew its message
+            assert str(result_of(stack, job_id).state) == "REVOKED"
+            job = stack.api.get(f"/v1/jobs/{job_id}").json()
+            assert job["status"] == "cancelled" and job["started_at"] is None
+            assert job["runner_id"] is None and job["output"]["text"] == ""
+        # Their messages are gone from the queue, counted as waiting by no one, and no worker
+        # took them: fleet-x's one pool child still runs the busy job.
+        assert waiting(stack, flower) == (0, 0)
+        assert stack.api.get(f"/v1/jobs/{busy}").json()["status"] == "running"
+    finally:
+        flower.revoke(busy, terminate="true")
     assert stack.api.wait_job(busy, timeout_s=3)["status"] == "cancelled"
-    for job_id in (busy, queued):
-        flower.wait_state(job_id, "REVOKED")
-        assert str(result_of(stack, job_id).state) == "REVOKED"
-    job = stack.api.get(f"/v1/jobs/{queued}").json()
-    assert job["runner_id"] is None and job["output"]["text"] == ""
+    flower.wait_state(busy, "REVOKED")
+    assert str(result_of(stack, busy).state) == "REVOKED"
 
 
 def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(

@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from config.celery import PRIORITY_CLASSES
 from exo_tasks import fairness, lifecycle, metrics
-from exo_tasks.broker import queue_lists
+from exo_tasks.broker import WITHDRAW, queue_lists
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.store.client import Arg, RedisPart, named, one_set
 from exo_tasks.store.job_scripts import CREATE_UNLESS_FULL, TRANSITION
@@ -304,6 +304,14 @@ class JobRecords(RedisPart):
         """Remember that a running job's cancel was accepted, so that no later attempt runs it
         if its worker dies before the runner ends it; and who asked first (`by`, for Flower)."""
         self.redis.hsetnx(job_key(job_id), "cancel", by)
+
+    def withdraw_message(self, job_id: str) -> bool:
+        """Drop the job's message from the queue it waits in (a job that will never run: its
+        message would count as waiting until a worker took it). False if none waits there."""
+        queue = self.redis.hget(job_key(job_id), "queue")
+        if not queue:
+            return False
+        return bool(self.script(WITHDRAW)(keys=queue_lists(queue), args=[job_id]))
 
     def cancel_reason(self, job_id: str) -> str | None:
         """Who cancelled the job first (request_cancel), None if nobody did."""

@@ -8,8 +8,10 @@ away its Terminate button: progress is reported as `STARTED`."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import redis
@@ -18,6 +20,7 @@ from celery.exceptions import Ignore
 from kombu.exceptions import KombuError
 
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.store import Store
 from exo_tasks.types import JobEnding, JobRecord, JobStatus
 
 log = logging.getLogger("exo_tasks.tasks")
@@ -124,22 +127,37 @@ def _seconds(limit_s: float | None) -> str:
 
 
 def _revoked(task: Task[Any, Any], job: JobEnding, max_tokens: int | None) -> None:
-    """REVOKED, with the job's final tokens and why it ended: the last progress report (a
-    `task-started` event) would otherwise stay the task's result in Flower."""
-    reason = _cancel_reason(task, job)
+    store = cast(ExoCelery, task.app).store
+    send = functools.partial(_send, task)
+    announce_revoked(store, task.backend, job, max_tokens, send, request=task.request)
+
+
+def announce_revoked(
+    store: Store,
+    backend: Any,
+    job: JobEnding,
+    max_tokens: int | None,
+    send: Callable[..., None],
+    request: Any = None,
+) -> None:
+    """Store the task REVOKED and `send` its `task-revoked` event, with the job's final tokens,
+    its runner and who cancelled it: the last progress report (a `task-started` event) would
+    otherwise stay the task's result in Flower. By the task that ends, or by the worker that
+    withdrew the message of a job cancelled while queued (exo_tasks.worker.revocation)."""
+    reason = _cancel_reason(store, job)
     tokens = job.usage.completion_tokens
     try:
-        task.backend.mark_as_revoked(job.id, f"{reason} ({tokens} tokens)", request=task.request)
+        backend.mark_as_revoked(job.id, f"{reason} ({tokens} tokens)", request=request)
     except (redis.RedisError, KombuError) as exc:
         log.warning("revoked state not stored", extra={"job_id": job.id, "error": str(exc)})
     ended = {"tokens": tokens, "max_tokens": max_tokens, "runner": job.runner_id, "reason": reason}
-    _send(task, "task-revoked", terminated=False, signum=None, expired=False, result=repr(ended))
+    send("task-revoked", terminated=False, signum=None, expired=False, result=repr(ended))
 
 
-def _cancel_reason(task: Task[Any, Any], job: JobEnding) -> str:
+def _cancel_reason(store: Store, job: JobEnding) -> str:
     """Who cancelled the job (exo_tasks.jobs.CancelledBy), else how its runner ended it."""
     try:
-        reason = cast(ExoCelery, task.app).store.jobs.cancel_reason(job.id)
+        reason = store.jobs.cancel_reason(job.id)
     except redis.RedisError:
         reason = None
     return reason or f"cancelled ({job.output.finish_reason})"

@@ -76,6 +76,7 @@ class FakeJobs:
         self.endings: dict[str, list[tuple[str, DoneEvent | RequeuedEvent]]] = defaultdict(list)
         self.events: dict[str, int] = defaultdict(int)
         self.cancel_requested: dict[str, str] = {}
+        self.waiting_messages: set[str] = set()  # jobs whose message waits in its queue
         self._ids = itertools.count(1)
 
     def add(self, job: JobRecord) -> JobRecord:
@@ -137,6 +138,13 @@ class FakeJobs:
     def request_cancel(self, job_id: str, by: str) -> None:
         self.link.reach()
         self.cancel_requested.setdefault(job_id, str(by))
+
+    def withdraw_message(self, job_id: str) -> bool:
+        self.link.reach()
+        if job_id not in self.waiting_messages:
+            return False
+        self.waiting_messages.remove(job_id)
+        return True
 
     def cancel_reason(self, job_id: str) -> str | None:
         self.link.reach()
@@ -297,13 +305,6 @@ class FakeRequest:
     timelimit: tuple[float | None, float | None] | None = None
 
 
-@dataclass
-class FakeApp:
-    store: FakeStore
-    settings: Settings
-    incarnation: str = INCARNATION
-
-
 class FakeBackend:
     def __init__(self) -> None:
         self.revoked: list[str] = []
@@ -315,6 +316,14 @@ class FakeBackend:
             raise redis.ConnectionError("Connection refused (fake)")
         self.revoked.append(task_id)
         self.reasons.append(reason)
+
+
+@dataclass
+class FakeApp:
+    store: FakeStore
+    settings: Settings
+    incarnation: str = INCARNATION
+    backend: FakeBackend = field(default_factory=FakeBackend)
 
 
 class FakeTask:
