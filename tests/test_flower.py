@@ -21,7 +21,7 @@ from celery import states
 from celery.result import AsyncResult
 
 from exo_tasks.naming import host_queue
-from tests.conftest import LONG, Stack, TwoHosts, wait_tokens
+from tests.conftest import LONG, Stack, TwoHosts, new_worker, wait_tokens
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
 from tests.support.workers import runner_state
 
@@ -372,3 +372,44 @@ def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(
         assert "exo_instances" in page and instance_id in page
     finally:
         stack.store.instances.remove(instance_id)
+
+
+def test_flowers_shut_down_is_our_warm_shutdown(
+    stack: Stack, flower: Flower, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    host, node = "fl-down", "exo@fl-down"
+    inspect = {"workername": node, "refresh": "1"}  # 404 until Flower has inspected it
+    worker = new_worker(
+        stack, processes, tiny_model, tmp_path, host, worker_concurrency=2, worker_soft_shutdown_s=2
+    )
+    wait_until(
+        lambda: flower.get("/api/workers", params=inspect, auth=AUTH).status_code == 200,
+        10,
+        "Flower to know the new worker",
+        interval_s=0.5,
+    )
+    long_id = stack.api.submit(**LONG, host=host)
+    wait_tokens(stack, long_id)
+    # In flight too, and short enough to end within the drain window on a loaded machine.
+    short_id = stack.api.submit(prompt="short", max_tokens=40, ignore_eos=True, host=host)
+    wait_tokens(stack, short_id)
+
+    started = time.monotonic()
+    response = requests.post(f"{flower.url}/api/worker/shutdown/{node}", auth=AUTH, timeout=10)
+    assert response.status_code == 200, response.text
+    # Out of /v1/hosts (and so of routing and /readyz) at once, while its jobs drain.
+    wait_until(
+        lambda: host not in {h["name"] for h in stack.api.get("/v1/hosts").json()},
+        1.0,
+        "the host to leave /v1/hosts",
+        interval_s=0.1,
+    )
+    assert stack.api.get(f"/v1/jobs/{long_id}").json()["status"] == "running"
+    worker.process.wait(timeout=15)
+    # The drain window, then the runner's quick stop: not the long job's end (Celery's own
+    # shutdown waited for every running job, up to its time limit).
+    assert time.monotonic() - started < 2 + 5
+    assert stack.api.get(f"/v1/jobs/{short_id}").json()["status"] == "succeeded"
+    long = stack.api.get(f"/v1/jobs/{long_id}").json()
+    assert long["status"] == "queued" and long["attempts"] == 1  # requeued, not lost
+    assert stack.api.post(f"/v1/jobs/{long_id}/cancel").status_code == 202
