@@ -166,6 +166,7 @@ class BatchFeeder:
         return sum(
             min(per_host, (host.concurrency or per_host) - RESERVED_CHILDREN)
             for host in self.store.hosts.fleet()[0]
+            if not host.stopping  # its shutdown has begun: it takes no more jobs
         )
 
     # --- validating ---
