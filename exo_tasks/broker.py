@@ -37,6 +37,25 @@ def queue_lists(queue: str) -> list[str]:
     return [f"{queue}{PRIORITY_SEP}{step}" if step else queue for step in PRIORITY_STEPS]
 
 
+# KEYS: a queue's lists (queue_lists); ARGV[1]: a task id. Drops the first message of that task
+# still waiting there; 1 if it did, 0 if none waits (taken by a worker, or dropped already). A
+# substring search first: decoding every message of a long queue would hold Redis far longer.
+WITHDRAW = """
+for _, key in ipairs(KEYS) do
+  for _, raw in ipairs(redis.call('LRANGE', key, 0, -1)) do
+    if string.find(raw, ARGV[1], 1, true) then
+      local ok, message = pcall(cjson.decode, raw)
+      if ok and type(message) == 'table' and type(message.headers) == 'table'
+          and message.headers.id == ARGV[1] then
+        return redis.call('LREM', key, 1, raw)
+      end
+    end
+  end
+end
+return 0
+"""
+
+
 def _task_id(raw: str, *, unacked: bool = False) -> str | None:
     """The task id in a raw message (an unacked entry wraps it in a list), None for anything
     that is not a Celery message: one foreign entry must not stop the recovery loop."""

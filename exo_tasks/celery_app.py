@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from functools import cached_property
+from typing import Any, cast
+
 from celery import Celery
+from celery.app.amqp import AMQP
 
 from config.celery import celery_config
 from config.settings import Settings
@@ -14,13 +19,30 @@ SHUTDOWN_RUNNER_TASK = "exo.shutdown_runner"
 LOAD_RUNNER_TASK = "exo.load_runner"
 
 
-class ExoCelery(Celery):
-    """A Celery app that knows the project's settings and its Redis store."""
+class NamedSenderAMQP(AMQP):
+    """Celery's messaging, with the `task-sent` events naming the process that sent the task
+    (Flower's "Client" on a task's page) by what it is: `exo-api@vm (pid 6264)`, not Celery's
+    anonymous `gen6264@vm`. Built on first use, so in the process that sends (after a fork)."""
 
-    def __init__(self, settings: Settings) -> None:
+    @cached_property
+    def _event_dispatcher(self) -> Any:
+        app = cast(ExoCelery, self.app)
+        sender = f"exo-{app.role}@{app.settings.hostname} (pid {os.getpid()})"
+        # As Celery's own: published through the sending producer, so never enabled itself.
+        return app.events.Dispatcher(hostname=sender, enabled=False)
+
+
+class ExoCelery(Celery):
+    """A Celery app that knows the project's settings and its Redis store. `role`: what the
+    process is (api, worker, batch-feeder), as the tasks it sends name it."""
+
+    amqp_cls = f"{__name__}:NamedSenderAMQP"
+
+    def __init__(self, settings: Settings, role: str = "client") -> None:
         super().__init__("exo_tasks", include=["exo_tasks.worker.tasks"])
         reuse_clients()  # not a new redis-py client per message sent (exo_tasks/broker.py)
         self.settings = settings
+        self.role = role
         # This worker's incarnation (set by the worker before its pool forks): the owner that
         # the jobs it runs record. Empty outside a worker.
         self.incarnation = ""

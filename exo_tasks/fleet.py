@@ -37,9 +37,11 @@ class Fleet:
 
     @classmethod
     def load(cls, store: Store) -> Fleet:
+        """The fleet; a host whose shutdown has begun is in it no more (the recovery loop still
+        counts it live: it owns the jobs it drains)."""
         hosts, runners = store.hosts.fleet()
         return cls(
-            hosts={h.name: h for h in hosts},
+            hosts={h.name: h for h in hosts if not h.stopping},
             runners={r.id: r for r in runners},
             instances={i.id: i for i in store.instances.all()},
         )

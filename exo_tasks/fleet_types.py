@@ -109,3 +109,8 @@ class HostState(BaseModel):
     concurrency: int | None = Field(None, description="Pool children: tasks it runs at once.")
     started_at: datetime
     updated_at: datetime = Field(default_factory=utcnow)
+    stopping: bool = Field(
+        False,
+        description="Its worker's shutdown has begun: it takes no jobs and serves no route any "
+        "more, and still owns the jobs it drains or requeues until it is gone.",
+    )

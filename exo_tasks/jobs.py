@@ -5,11 +5,15 @@ exo_tasks.api.streams."""
 
 from __future__ import annotations
 
+import enum
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import KombuError
+from redis import RedisError
 
 from config.celery import PRIORITY_LEVELS
 from config.settings import Settings
@@ -23,6 +27,7 @@ from exo_tasks.naming import find_model, host_queue, instance_queue, model_queue
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
+log = logging.getLogger("exo_tasks.jobs")
 QUEUE_FULL_RETRY_AFTER_S = 5
 
 
@@ -211,20 +216,43 @@ def get_or_404(store: Store, job_id: str) -> JobRecord:
     return job
 
 
-def cancel(store: Store, job_id: str) -> JobRecord:
-    """Cancel a job, from the route or a streaming client that went away. A queued job ends
-    `cancelled` at once and never runs; a running one is ended by its runner at the next step
-    with its partial text (the runner keeps its model). A running job whose worker is gone is
-    ended here, and a cancel is final: no later attempt of the job runs. Returns the job as
-    it is now."""
+class CancelledBy(enum.StrEnum):
+    """Who cancelled a job, as its task in Flower says why it ended."""
+
+    API = "cancelled through the API"
+    REVOKE = "revoked in Flower (or by celery control revoke)"
+    CLIENT_GONE = "cancelled: its streaming client went away or fell behind"
+    WAIT_ENDED = "cancelled: its request's wait ran past the job's time limits"
+    BATCH = "cancelled with its batch"
+
+
+def _revoke_queued(celery: Celery, job_id: str) -> None:
+    """Celery's revoke of the job's task, to every worker: one of them withdraws its message,
+    which would otherwise wait in its queue until a worker took it, and announces the task
+    REVOKED (exo_tasks.worker.revocation). The job is cancelled already: should this fail, the
+    first worker to take the message drops it and says so."""
+    try:
+        celery.control.revoke(job_id)
+    except (KombuError, RedisError) as exc:
+        log.warning("revoke not sent", extra={"job_id": job_id, "error": str(exc)})
+
+
+def cancel(store: Store, job_id: str, by: CancelledBy, *, celery: Celery | None) -> JobRecord:
+    """Cancel a job, for `by`. A queued job ends `cancelled` at once and never runs; a running
+    one is ended by its runner at the next step with its partial text (the runner keeps its
+    model). A running job whose worker is gone is ended here, and a cancel is final: no later
+    attempt of the job runs. Returns the job as it is now. `celery`: to tell the workers of a
+    queued job's cancel (None: the caller is a worker handling that very revoke)."""
     job = get_or_404(store, job_id)
     if not job.is_terminal:
         # First, so that an attempt that ends by requeue from now on ends cancelled instead.
-        store.jobs.request_cancel(job_id)
+        store.jobs.request_cancel(job_id, by)
         job = get_or_404(store, job_id)
     while job.status == JobStatus.QUEUED:
         move = lifecycle.cancel_queued(job)
         if store.jobs.apply(move):
+            if celery is not None:
+                _revoke_queued(celery, job_id)
             return move.record
         job = get_or_404(store, job_id)  # a runner took it meanwhile, or it ended
     if job.is_terminal:

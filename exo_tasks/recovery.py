@@ -111,6 +111,13 @@ class Presence:
                 log.warning("heartbeat not sent", extra={"error": str(exc)})
             published, next_beat = held, time.monotonic() + HEARTBEAT_INTERVAL_S
 
+    def leave(self) -> None:
+        """A shutdown has begun: the heartbeat says so at once (the fleet drops the host), and
+        goes on until stop(), for the jobs this incarnation still owns."""
+        with self._lock:
+            self.state = self.state.model_copy(update={"stopping": True})
+        self.beat()
+
     def stop(self) -> None:
         """A clean stop: the host is gone at once, not when its heartbeat expires."""
         with self._lock:

@@ -20,12 +20,16 @@ import requests
 from celery import states
 from celery.result import AsyncResult
 
-from tests.conftest import LONG, Stack, TwoHosts, wait_tokens
+from exo_tasks.naming import host_queue
+from tests.conftest import LONG, Stack, TwoHosts, new_worker, wait_tokens
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
 from tests.support.workers import runner_state
 
 AUTH = ("admin", "s3cret")
+BY_API = "cancelled through the API"
+BY_REVOKE = "revoked in Flower (or by celery control revoke)"
 BETA = {"model": "beta"}  # served by fleet-y only
+BETA_RUNNER = "beta@fleet-y"
 
 
 @dataclass
@@ -97,6 +101,12 @@ def flower(
         processes.stop_all()
 
 
+def ended_as(task: dict[str, Any]) -> dict[str, Any]:
+    """A REVOKED task's result in Flower: its job's final tokens and who cancelled it."""
+    ended: dict[str, Any] = ast.literal_eval(task["result"])
+    return ended
+
+
 def result_of(stack: Stack, task_id: str) -> AsyncResult[Any]:
     return AsyncResult(task_id, app=stack.api.app.extensions["exo"].celery)
 
@@ -123,6 +133,8 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
         )
         progress = ast.literal_eval(info["result"])
         assert progress["max_tokens"] == 4000 and 0 < progress["tokens"] < 4000
+        # The runner that runs it (Flower names only the worker).
+        assert progress["runner"] == BETA_RUNNER
         assert info["worker"] == "exo@fleet-y" and info["name"] == "exo.inference"
         # Flower's "Started" filter finds it, and its Terminate button is drawn.
         assert long_id in flower.tasks(state="STARTED")
@@ -132,16 +144,29 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
         assert str(result.state) == "STARTED" and result.info["max_tokens"] == 4000
     finally:
         assert stack.api.post(f"/v1/jobs/{long_id}/cancel").status_code == 202
-    # A job cancelled through the API: its task is REVOKED, in Flower and in the backend.
-    assert stack.api.wait_job(long_id)["status"] == "cancelled"
-    flower.wait_state(long_id, "REVOKED")
-    assert str(result_of(stack, long_id).state) == "REVOKED"
+    # A job cancelled through the API: its task is REVOKED, in Flower and in the backend, with
+    # its final tokens (not its last progress report's) and who cancelled it.
+    job = stack.api.wait_job(long_id)
+    assert job["status"] == "cancelled"
+    tokens = job["usage"]["completion_tokens"]
+    revoked = flower.wait_state(long_id, "REVOKED")
+    assert ended_as(revoked) == {
+        "tokens": tokens,
+        "max_tokens": 4000,
+        "runner": BETA_RUNNER,
+        "reason": BY_API,
+    }
+    result = result_of(stack, long_id)
+    assert str(result.state) == "REVOKED" and str(result.info) == f"{BY_API} ({tokens} tokens)"
 
     short_id = stack.api.submit(prompt="short", max_tokens=8, **BETA)
     assert stack.api.wait_job(short_id)["status"] == "succeeded"
     task = flower.wait_state(short_id, "SUCCESS")
     assert task["name"] == "exo.inference" and task["worker"] == "exo@fleet-y"
     assert "'status': 'succeeded'" in task["result"]
+    assert f"'runner': '{BETA_RUNNER}'" in task["result"]
+    # Its client, as Flower names it, says what sent it.
+    assert re.fullmatch(r"exo-api@\S+ \(pid \d+\)", task["client"]), task["client"]
 
 
 def test_flowers_api_asks_for_basic_auth_in_the_realm_of_its_pages(flower: Flower) -> None:
@@ -186,7 +211,15 @@ def test_a_revoke_from_flower_cancels_the_job_and_spares_its_pool_child_and_mode
     # The same ending as POST /v1/jobs/<id>/cancel: the partial text kept.
     assert job["status"] == "cancelled" and job["output"]["finish_reason"] == "cancelled"
     assert 0 < job["usage"]["completion_tokens"] < 4000 and job["output"]["text"]
-    assert flower.wait_state(job_id, "REVOKED")["worker"] == "exo@fleet-y"
+    task = flower.wait_state(job_id, "REVOKED")
+    assert task["worker"] == "exo@fleet-y"
+    tokens = job["usage"]["completion_tokens"]
+    assert ended_as(task) == {
+        "tokens": tokens,
+        "max_tokens": 4000,
+        "runner": BETA_RUNNER,
+        "reason": BY_REVOKE,
+    }
     assert str(result_of(stack, job_id).state) == "REVOKED"
 
     # No process was signalled: the same pool children, the same runner with its one load.
@@ -199,6 +232,27 @@ def test_a_revoke_from_flower_cancels_the_job_and_spares_its_pool_child_and_mode
     assert stack.api.wait_job(next_id)["status"] == "succeeded"
 
 
+def test_a_task_whose_streaming_client_went_away_shows_why_it_ended(
+    stack: Stack, flower: Flower
+) -> None:
+    body = {"prompt": "go on", "max_tokens": 4000, "ignore_eos": True, "stream": True, **BETA}
+    response = stack.api.post("/v1/completions", json=body, stream=True)
+    job_id = response.headers["X-Exo-Job-Id"]
+    wait_tokens(stack, job_id)
+    response.close()
+    job = stack.api.wait_job(job_id, timeout_s=5)
+    assert job["status"] == "cancelled"
+    reason = "cancelled: its streaming client went away or fell behind"
+    tokens = job["usage"]["completion_tokens"]
+    task = flower.wait_state(job_id, "REVOKED")
+    assert ended_as(task) == {
+        "tokens": tokens,
+        "max_tokens": 4000,
+        "runner": BETA_RUNNER,
+        "reason": reason,
+    }
+
+
 def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
     stack: Stack, flower: Flower
 ) -> None:
@@ -206,12 +260,19 @@ def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
     # One token per character with the tiny model: over EXO_MAX_PROMPT_TOKENS (8192), which
     # only the runner counts.
     failed_id = stack.api.submit(prompt="a" * 9000, max_tokens=4, **BETA)
-    assert stack.api.wait_job(timed_id)["status"] == "timed_out"
+    timed_job = stack.api.wait_job(timed_id)
+    assert timed_job["status"] == "timed_out" and timed_job["runner_id"] == BETA_RUNNER
     failed = stack.api.wait_job(failed_id)
     assert failed["status"] == "failed" and failed["error"]
 
     timed = flower.wait_state(timed_id, "FAILURE")
-    assert "JobEnded" in timed["exception"] and "timed_out: time_limit" in timed["exception"]
+    assert "JobEnded" in timed["exception"]
+    limit = f"timed_out on runner {BETA_RUNNER}: its soft time limit of 1s was reached"
+    assert limit in timed["exception"]
+    # This task's own few frames, not the Redis read the limit cut (a chain of 60 lines that
+    # read like a Redis crash).
+    assert "During handling" not in timed["traceback"] and "redis" not in timed["traceback"]
+    assert timed["traceback"].count('  File "') <= 4, timed["traceback"]  # Celery's 2, ours 2
     task = flower.wait_state(failed_id, "FAILURE")
     assert "job failed" in task["exception"] and failed["error"][:40] in task["exception"]
     result = result_of(stack, failed_id)
@@ -230,25 +291,49 @@ def test_failed_and_timed_out_jobs_are_failures_with_their_reason(
             )
 
 
-def test_a_revoke_from_flower_of_a_queued_job_means_it_never_runs(
+def waiting(stack: Stack, flower: Flower, host: str = "fleet-x") -> tuple[int, int]:
+    """The messages waiting in `host`'s own queue, as GET /v1/hosts (`exo-tasks hosts`) and
+    Flower's Broker page (its API) count them."""
+    queue = host_queue(host)
+    hosts = stack.api.get("/v1/hosts").json()
+    ours = next(h for h in hosts if h["name"] == host)["queues"][queue]
+    lengths = flower.get("/api/queues/length", auth=AUTH).json()["active_queues"]
+    flowers = next(q["messages"] for q in lengths if q["name"] == queue)
+    return ours, flowers
+
+
+def test_a_job_cancelled_while_queued_is_revoked_at_once_and_waits_in_no_queue(
     stack: Stack, flower: Flower
 ) -> None:
-    # fleet-x has one pool child: a job pinned there waits behind the busy one.
+    # fleet-x has one pool child: jobs pinned there wait behind the busy one, in its queue.
     busy = stack.api.submit(**LONG, host="fleet-x", model="alpha")
     wait_tokens(stack, busy)
-    queued = stack.api.submit(prompt="never", max_tokens=8, host="fleet-x", model="alpha")
-    flower.revoke(queued)
-    job = stack.api.wait_job(queued, timeout_s=3)
-    assert job["status"] == "cancelled" and job["started_at"] is None
-    assert stack.api.get(f"/v1/jobs/{busy}").json()["status"] == "running"
+    pinned = {"prompt": "never", "max_tokens": 8, "host": "fleet-x", "model": "alpha"}
+    try:
+        by_flower, by_api = stack.api.submit(**pinned), stack.api.submit(**pinned)
+        assert waiting(stack, flower) == (2, 2)
 
-    flower.revoke(busy, terminate="true")
+        flower.revoke(by_flower)
+        assert stack.api.post(f"/v1/jobs/{by_api}/cancel").status_code == 202
+        for job_id, reason in ((by_flower, BY_REVOKE), (by_api, BY_API)):
+            # Before, PENDING until a worker took the message: 30 s and 80 s in two runs.
+            task = flower.wait_state(job_id, "REVOKED", timeout_s=3)
+            ended = {"tokens": 0, "max_tokens": 8, "runner": None, "reason": reason}
+            assert ended_as(task) == ended
+            assert task["worker"].startswith("exo@")  # the worker that withdrew its message
+            assert str(result_of(stack, job_id).state) == "REVOKED"
+            job = stack.api.get(f"/v1/jobs/{job_id}").json()
+            assert job["status"] == "cancelled" and job["started_at"] is None
+            assert job["runner_id"] is None and job["output"]["text"] == ""
+        # Their messages are gone from the queue, counted as waiting by no one, and no worker
+        # took them: fleet-x's one pool child still runs the busy job.
+        assert waiting(stack, flower) == (0, 0)
+        assert stack.api.get(f"/v1/jobs/{busy}").json()["status"] == "running"
+    finally:
+        flower.revoke(busy, terminate="true")
     assert stack.api.wait_job(busy, timeout_s=3)["status"] == "cancelled"
-    for job_id in (busy, queued):
-        flower.wait_state(job_id, "REVOKED")
-        assert str(result_of(stack, job_id).state) == "REVOKED"
-    job = stack.api.get(f"/v1/jobs/{queued}").json()
-    assert job["runner_id"] is None and job["output"]["text"] == ""
+    flower.wait_state(busy, "REVOKED")
+    assert str(result_of(stack, busy).state) == "REVOKED"
 
 
 def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(
@@ -287,3 +372,44 @@ def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(
         assert "exo_instances" in page and instance_id in page
     finally:
         stack.store.instances.remove(instance_id)
+
+
+def test_flowers_shut_down_is_our_warm_shutdown(
+    stack: Stack, flower: Flower, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    host, node = "fl-down", "exo@fl-down"
+    inspect = {"workername": node, "refresh": "1"}  # 404 until Flower has inspected it
+    worker = new_worker(
+        stack, processes, tiny_model, tmp_path, host, worker_concurrency=2, worker_soft_shutdown_s=2
+    )
+    wait_until(
+        lambda: flower.get("/api/workers", params=inspect, auth=AUTH).status_code == 200,
+        10,
+        "Flower to know the new worker",
+        interval_s=0.5,
+    )
+    long_id = stack.api.submit(**LONG, host=host)
+    wait_tokens(stack, long_id)
+    # In flight too, and short enough to end within the drain window on a loaded machine.
+    short_id = stack.api.submit(prompt="short", max_tokens=40, ignore_eos=True, host=host)
+    wait_tokens(stack, short_id)
+
+    started = time.monotonic()
+    response = requests.post(f"{flower.url}/api/worker/shutdown/{node}", auth=AUTH, timeout=10)
+    assert response.status_code == 200, response.text
+    # Out of /v1/hosts (and so of routing and /readyz) at once, while its jobs drain.
+    wait_until(
+        lambda: host not in {h["name"] for h in stack.api.get("/v1/hosts").json()},
+        1.0,
+        "the host to leave /v1/hosts",
+        interval_s=0.1,
+    )
+    assert stack.api.get(f"/v1/jobs/{long_id}").json()["status"] == "running"
+    worker.process.wait(timeout=15)
+    # The drain window, then the runner's quick stop: not the long job's end (Celery's own
+    # shutdown waited for every running job, up to its time limit).
+    assert time.monotonic() - started < 2 + 5
+    assert stack.api.get(f"/v1/jobs/{short_id}").json()["status"] == "succeeded"
+    long = stack.api.get(f"/v1/jobs/{long_id}").json()
+    assert long["status"] == "queued" and long["attempts"] == 1  # requeued, not lost
+    assert stack.api.post(f"/v1/jobs/{long_id}/cancel").status_code == 202

@@ -206,7 +206,7 @@ def test_a_job_sent_again_waits_at_the_step_its_client_gave_it(stack: Stack) -> 
         assert [json.loads(raw)["headers"]["id"] for raw in waiting] == [queued[2].id]
     finally:
         for job in queued:
-            jobs.cancel(stack.store, job.id)
+            jobs.cancel(stack.store, job.id, jobs.CancelledBy.API, celery=None)
         stack.store.redis.delete(*broker.queue_lists(host_queue(host)))
 
 

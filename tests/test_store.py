@@ -149,7 +149,7 @@ def test_a_cancelled_job_ends_cancelled_instead_of_going_back_to_the_queue(store
     store.jobs.create(job, "exo.model.m", max_queued=1_000)
     store.runners.hand_over("m@w", running(job, "m@w"))
     store.jobs.write_step("m@w", [(job.id, TokenEvent(index=0, text="a"))], Observations(), [])
-    store.jobs.request_cancel(job.id)
+    store.jobs.request_cancel(job.id, "the test")
 
     assert store.jobs.requeue(job.id) is None
     stored = store.jobs.get(job.id)

@@ -34,7 +34,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Location built from whatever Host the client sent.
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.extensions["exo"] = ApiContext(settings=settings, celery=ExoCelery(settings))
+    app.extensions["exo"] = ApiContext(settings=settings, celery=ExoCelery(settings, role="api"))
     errors.init_app(app)
     auth.init_app(app)
     for blueprint in (health.bp, jobs.bp, runners.bp, hosts.bp, instances.bp, openai.bp):

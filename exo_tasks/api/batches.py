@@ -75,7 +75,7 @@ def cancel_batch(batch_id: str) -> Response:
             batch = _batch_or_404(batch_id)
             if batch.status != BatchStatus.CANCELLING:
                 raise Conflict(f"batch '{batch_id}' is {batch.status}", {"status": batch.status})
-        cancel_inflight(context.store, batch)
+        cancel_inflight(context.store, context.celery, batch)
     return jsonify(_batch_or_404(batch_id).model_dump(mode="json"))
 
 

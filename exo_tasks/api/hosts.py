@@ -46,7 +46,8 @@ def shutdown_host(host: str) -> tuple[Response, int]:
     """Warm: the worker stops taking jobs and lets in-flight ones finish within its window;
     cold: in-flight jobs go back to the queue now. The same paths as SIGTERM and SIGQUIT."""
     body = HostShutdownBody.model_validate(json_body(allow_empty=True))
-    if host not in Fleet.load(ctx().store).hosts:  # no heartbeat: do not wait for a reply
+    # No heartbeat: do not wait for a reply. A host shutting down still answers (warm, then cold).
+    if ctx().store.hosts.get(host) is None:
         raise NotFound(f"no live worker for host '{host}'", {"host": host})
     node = node_name(host)
     replies = ctx().celery.control.broadcast(

@@ -139,4 +139,6 @@ def _resume_after() -> str:
 def cancel(job_id: str) -> tuple[Response, int]:
     """202 with the job: `cancelled` if it was queued, else still `running` until its runner's
     next step ends it."""
-    return jsonify(public(jobs.cancel(ctx().store, job_id))), 202
+    context = ctx()
+    job = jobs.cancel(context.store, job_id, jobs.CancelledBy.API, celery=context.celery)
+    return jsonify(public(job)), 202

@@ -111,7 +111,9 @@ def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
             final = context.store.jobs.final(item[1]) if job.request.logprobs else item[1].job
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
-                jobs.cancel(context.store, job.id)
+                jobs.cancel(
+                    context.store, job.id, jobs.CancelledBy.WAIT_ENDED, celery=context.celery
+                )
             raise Unavailable(
                 f"job {job.id} did not finish within {limit_s:.0f}s; it was cancelled",
                 {"job_id": job.id},
@@ -173,7 +175,10 @@ def _job_stream(plan: _Stream, job: JobRecord) -> Iterator[str]:
     finally:
         if not ended:
             with contextlib.suppress(ExoError):
-                jobs.cancel(plan.context.store, job.id)
+                context = plan.context
+                jobs.cancel(
+                    context.store, job.id, jobs.CancelledBy.CLIENT_GONE, celery=context.celery
+                )
 
 
 def _chunks(plan: _Stream, job: JobRecord) -> Generator[str, None, bool]:

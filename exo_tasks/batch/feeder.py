@@ -166,6 +166,7 @@ class BatchFeeder:
         return sum(
             min(per_host, (host.concurrency or per_host) - RESERVED_CHILDREN)
             for host in self.store.hosts.fleet()[0]
+            if not host.stopping  # its shutdown has begun: it takes no more jobs
         )
 
     # --- validating ---
@@ -327,7 +328,7 @@ class BatchFeeder:
         now = time.monotonic()
         if now - self._cancelled_at.get(batch.id, 0.0) >= CANCEL_EVERY_S:
             self._cancelled_at[batch.id] = now
-            cancel_inflight(self.store, batch)
+            cancel_inflight(self.store, self.app, batch)
 
     def _end(self, batch: Batch, status: BatchStatus) -> None:
         now = int(time.time())
@@ -362,7 +363,7 @@ class BatchFeeder:
     def _fail(self, batch: Batch, reason: str) -> None:
         """End the batch `failed`, `errors` giving the reason, with the results its lines have
         (never reading its input again: it may be what failed); its jobs in flight cancelled."""
-        cancel_inflight(self.store, batch)
+        cancel_inflight(self.store, self.app, batch)
         now = int(time.time())
         errors = BatchErrors(data=[BatchError(code="batch_failed", message=reason)])
         failed = batch_lifecycle.move(

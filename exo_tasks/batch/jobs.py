@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
+from celery import Celery
+
 from exo_tasks import jobs
 from exo_tasks.batch.types import Batch
 from exo_tasks.errors import ExoError
@@ -17,8 +19,9 @@ def line_job_id(batch_id: str, line: int) -> str:
     return f"{batch_id}-{line}"
 
 
-def cancel_inflight(store: Store, batch: Batch) -> None:
+def cancel_inflight(store: Store, celery: Celery, batch: Batch) -> None:
     """Cancel every job of the batch still running or queued (their runners keep the model)."""
     for line in store.batches.inflight(batch.id):
         with contextlib.suppress(ExoError):
-            jobs.cancel(store, line_job_id(batch.id, line))
+            job_id = line_job_id(batch.id, line)
+            jobs.cancel(store, job_id, jobs.CancelledBy.BATCH, celery=celery)

@@ -48,7 +48,7 @@ def main(settings: Settings, holder: str) -> None:
     # before the worker; it stops with the worker (SIGTERM from stop(), or its parent's death).
     os.setpgid(0, 0)
     configure_logging(settings.log_level, host=settings.hostname, process="batch-feeder")
-    feeder = BatchFeeder(ExoCelery(settings), holder)
+    feeder = BatchFeeder(ExoCelery(settings, role="batch-feeder"), holder)
     signal.signal(signal.SIGTERM, lambda *_: feeder.stop())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()

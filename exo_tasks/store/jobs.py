@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from config.celery import PRIORITY_CLASSES
 from exo_tasks import fairness, lifecycle, metrics
-from exo_tasks.broker import queue_lists
+from exo_tasks.broker import WITHDRAW, queue_lists
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.store.client import Arg, RedisPart, named, one_set
 from exo_tasks.store.job_scripts import CREATE_UNLESS_FULL, TRANSITION
@@ -300,10 +300,23 @@ class JobRecords(RedisPart):
         """Record the queue a job's message was sent to anew (jobs.resend)."""
         self.redis.hset(job_key(job_id), "queue", queue)
 
-    def request_cancel(self, job_id: str) -> None:
+    def request_cancel(self, job_id: str, by: str) -> None:
         """Remember that a running job's cancel was accepted, so that no later attempt runs it
-        if its worker dies before the runner ends it."""
-        self.redis.hset(job_key(job_id), "cancel", 1)
+        if its worker dies before the runner ends it; and who asked first (`by`, for Flower)."""
+        self.redis.hsetnx(job_key(job_id), "cancel", by)
+
+    def withdraw_message(self, job_id: str) -> bool:
+        """Drop the job's message from the queue it waits in (a job that will never run: its
+        message would count as waiting until a worker took it). False if none waits there."""
+        queue = self.redis.hget(job_key(job_id), "queue")
+        if not queue:
+            return False
+        return bool(self.script(WITHDRAW)(keys=queue_lists(queue), args=[job_id]))
+
+    def cancel_reason(self, job_id: str) -> str | None:
+        """Who cancelled the job first (request_cancel), None if nobody did."""
+        reason: str | None = self.redis.hget(job_key(job_id), "cancel")
+        return reason
 
     def active(self) -> list[JobWhereabouts]:
         """Every job queued or running, wherever it is: its status and whereabouts only (the

@@ -102,12 +102,19 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
 
         supervisor.on_stopped = on_stopped
 
+        def leave(cold: bool) -> None:
+            try:
+                self.presence.leave()  # out of /v1/hosts, routing and /readyz at once
+            except redis.RedisError as exc:
+                log.warning("shutdown not announced", extra={"error": str(exc)})
+            self.keeper.leave(cold)  # its instances stop too
+
         def on_shutting_down(how: str = "Warm", **_: Any) -> None:
             # Warm: in-flight jobs get the window. Cold (also a second Ctrl-C during a warm
             # shutdown): the runners requeue their jobs now.
             supervisor.drain(settings.worker_soft_shutdown_s if how == "Warm" else 0.0)
-            # Its instances stop too (Redis writes: not in this signal handler's thread).
-            threading.Thread(target=self.keeper.leave, args=(how != "Warm",), daemon=True).start()
+            # Redis writes: not in this signal handler's thread.
+            threading.Thread(target=leave, args=(how != "Warm",), daemon=True).start()
 
         # Runs inside Celery's signal handler: drain() only records a deadline.
         worker_shutting_down.connect(on_shutting_down, weak=False)
@@ -154,7 +161,7 @@ def create_worker_app(settings: Settings) -> ExoCelery:
     if RunnerSupervisorStep not in (components.Pool.requires or ()):
         components.Pool.requires = (*(components.Pool.requires or ()), RunnerSupervisorStep)
     close_every_channel()  # or a Redis restart can end the worker (exo_tasks/broker.py)
-    app = ExoCelery(settings)
+    app = ExoCelery(settings, role="worker")
     app.steps["worker"].add(RunnerSupervisorStep)
     revocation.register()  # Flower's revoke and terminate cancel the job
     return app
@@ -186,6 +193,19 @@ def _pool_child_init(**_: Any) -> None:
 @control_command(args=[("mode", str)], signature="<warm|cold>")
 def exo_shutdown(state: Any, mode: str = "warm") -> dict[str, str]:
     """POST /v1/hosts/<host>/shutdown: the same path as SIGTERM (warm) or SIGQUIT (cold)."""
+    return _shut_down(mode)
+
+
+@control_command(name="shutdown")
+def warm_shutdown(state: Any, **_: Any) -> dict[str, str]:
+    """Celery's `shutdown` (Flower's Shut Down, `celery control shutdown`) made our warm
+    shutdown. Celery's own raises WorkerShutdown in the consumer: no worker_shutting_down
+    signal, so no drain window and nothing requeued; it waited for every running job, without
+    a bound, while the host stayed listed and ready."""
+    return _shut_down("warm")
+
+
+def _shut_down(mode: str) -> dict[str, str]:
     os.kill(os.getpid(), signal.SIGQUIT if mode == "cold" else signal.SIGTERM)
     return {"ok": f"{mode} shutdown started"}
 

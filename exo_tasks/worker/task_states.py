@@ -8,16 +8,20 @@ away its Terminate button: progress is reported as `STARTED`."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import redis
 from celery import Task, states
 from celery.exceptions import Ignore
 from kombu.exceptions import KombuError
 
-from exo_tasks.types import JobEnding, JobStatus
+from exo_tasks.celery_app import ExoCelery
+from exo_tasks.store import Store
+from exo_tasks.types import JobEnding, JobRecord, JobStatus
 
 log = logging.getLogger("exo_tasks.tasks")
 # A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
@@ -31,20 +35,24 @@ class JobEnded(Exception):
 
 
 class TaskProgress:
-    """A job's tokens so far, as its task's `STARTED` state (meta `tokens`, `max_tokens`) for
-    result readers and a `task-started` event carrying it as `result` for Flower, at most every
-    PROGRESS_EVERY_S and only as a best effort. The tokens are the events in the job's stream
-    since the attempt began."""
+    """A job's tokens so far, as its task's `STARTED` state (meta `tokens`, `max_tokens` and
+    the `runner` that runs it: Flower names only the worker) for result readers and a
+    `task-started` event carrying it as `result` for Flower, at most every PROGRESS_EVERY_S and
+    only as a best effort. The tokens are the events in the job's stream since the attempt
+    began."""
 
-    def __init__(self, task: Task[Any, Any], max_tokens: int, events_before: int) -> None:
+    def __init__(
+        self, task: Task[Any, Any], max_tokens: int, events_before: int, runner: str
+    ) -> None:
         self.task = task
         self.max_tokens = max_tokens
         self.events_before = events_before
+        self.runner = runner
         self.tokens = 0
         # The event would otherwise move Flower's "started" time to each report's.
         self.started_at = time.time()
         self.reported_at = time.monotonic()
-        self._store({"tokens": 0, "max_tokens": max_tokens})
+        self._store({"tokens": 0, "max_tokens": max_tokens, "runner": runner})
 
     def update(self, events: int) -> None:
         tokens = events - self.events_before
@@ -52,12 +60,12 @@ class TaskProgress:
         if tokens == self.tokens or now - self.reported_at < PROGRESS_EVERY_S:
             return
         self.tokens, self.reported_at = tokens, now
-        meta = {"tokens": tokens, "max_tokens": self.max_tokens}
+        meta = {"tokens": tokens, "max_tokens": self.max_tokens, "runner": self.runner}
         if self._store(meta):
             # Flower shows a task's `result` as a repr, as in task-succeeded events.
             _send(self.task, "task-started", result=repr(meta), started=self.started_at)
 
-    def _store(self, meta: dict[str, int]) -> bool:
+    def _store(self, meta: dict[str, Any]) -> bool:
         try:
             self.task.update_state(state=states.STARTED, meta=meta)
             return True
@@ -66,30 +74,93 @@ class TaskProgress:
             return False
 
 
-def finish(task: Task[Any, Any], job_id: str, job: JobEnding | None) -> dict[str, Any]:
+def finish(
+    task: Task[Any, Any], job_id: str, job: JobEnding | None, max_tokens: int | None = None
+) -> dict[str, Any]:
     """End the task as its job ended. A succeeded job (or an unknown one) is the task's result;
-    a cancelled one makes the task `REVOKED` (stored and announced here, then the task is
-    ignored so that Celery stores nothing over it); a failed or timed-out one raises JobEnded,
-    the task's FAILURE. A job still running (a duplicate message, while another attempt runs
-    it) leaves the task's state to that attempt."""
+    a cancelled one makes the task `REVOKED` with its final tokens and who cancelled it (stored
+    and announced here, then the task is ignored so that Celery stores nothing over it); a
+    failed or timed-out one raises JobEnded, the task's FAILURE. A job still running (a
+    duplicate message, while another attempt runs it) leaves the task's state to that attempt.
+    `max_tokens`: the job's, when `job` is an ending without its request."""
     if job is None:  # unknown, or expired
         return {"job_id": job_id, "status": "unknown"}
+    if isinstance(job, JobRecord):
+        max_tokens = job.request.max_tokens
     if job.status == JobStatus.CANCELLED:
-        _revoked(task, job_id)
+        _revoked(task, job, max_tokens)
         raise Ignore()
     if job.status in (JobStatus.FAILED, JobStatus.TIMED_OUT):
-        raise JobEnded(f"job {job.status}: {job.error or job.output.finish_reason}")
+        # Not chained to what was being handled (a soft limit cuts a Redis read anywhere):
+        # the recorded traceback is this one, a few lines that name the reason.
+        raise JobEnded(_failure(task, job)) from None
     if not job.is_terminal:
         raise Ignore()
-    return {"job_id": job.id, "status": job.status, "finish_reason": job.output.finish_reason}
+    return {
+        "job_id": job.id,
+        "status": job.status,
+        "finish_reason": job.output.finish_reason,
+        "tokens": job.usage.completion_tokens,
+        "runner": job.runner_id,
+    }
 
 
-def _revoked(task: Task[Any, Any], job_id: str) -> None:
+def _failure(task: Task[Any, Any], job: JobEnding) -> str:
+    """Why a job failed; for a time limit, which one and how many seconds."""
+    on = f" on runner {job.runner_id}" if job.runner_id else ""
+    if job.output.finish_reason != "time_limit":
+        return f"job {job.status}{on}: {job.error}"
+    hard_s, soft_s = task.request.timelimit or (None, None)
+    if job.status == JobStatus.TIMED_OUT:
+        return (
+            f"job timed_out{on}: its soft time limit{_seconds(soft_s)} was reached (the job's "
+            "timeout_s, else EXO_JOB_SOFT_TIME_LIMIT_S); the text so far is kept"
+        )
+    return (
+        f"job failed{on}: its hard time limit{_seconds(hard_s)} was reached (the soft limit + "
+        "EXO_JOB_HARD_GRACE_S)"
+    )
+
+
+def _seconds(limit_s: float | None) -> str:
+    return f" of {limit_s:g}s" if limit_s else ""
+
+
+def _revoked(task: Task[Any, Any], job: JobEnding, max_tokens: int | None) -> None:
+    store = cast(ExoCelery, task.app).store
+    send = functools.partial(_send, task)
+    announce_revoked(store, task.backend, job, max_tokens, send, request=task.request)
+
+
+def announce_revoked(
+    store: Store,
+    backend: Any,
+    job: JobEnding,
+    max_tokens: int | None,
+    send: Callable[..., None],
+    request: Any = None,
+) -> None:
+    """Store the task REVOKED and `send` its `task-revoked` event, with the job's final tokens,
+    its runner and who cancelled it: the last progress report (a `task-started` event) would
+    otherwise stay the task's result in Flower. By the task that ends, or by the worker that
+    withdrew the message of a job cancelled while queued (exo_tasks.worker.revocation)."""
+    reason = _cancel_reason(store, job)
+    tokens = job.usage.completion_tokens
     try:
-        task.backend.mark_as_revoked(job_id, "cancelled", request=task.request)
+        backend.mark_as_revoked(job.id, f"{reason} ({tokens} tokens)", request=request)
     except (redis.RedisError, KombuError) as exc:
-        log.warning("revoked state not stored", extra={"job_id": job_id, "error": str(exc)})
-    _send(task, "task-revoked", terminated=False, signum=None, expired=False)
+        log.warning("revoked state not stored", extra={"job_id": job.id, "error": str(exc)})
+    ended = {"tokens": tokens, "max_tokens": max_tokens, "runner": job.runner_id, "reason": reason}
+    send("task-revoked", terminated=False, signum=None, expired=False, result=repr(ended))
+
+
+def _cancel_reason(store: Store, job: JobEnding) -> str:
+    """Who cancelled the job (exo_tasks.jobs.CancelledBy), else how its runner ended it."""
+    try:
+        reason = store.jobs.cancel_reason(job.id)
+    except redis.RedisError:
+        reason = None
+    return reason or f"cancelled ({job.output.finish_reason})"
 
 
 def _send(task: Task[Any, Any], event: str, **fields: Any) -> None:

@@ -137,10 +137,12 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
             return task_states.finish(self, job_id, store.jobs.get(job_id))  # cancelled meanwhile
         log.info("job handed to runner", extra=extra)
         max_tokens = prepared.job.request.max_tokens
-        progress = task_states.TaskProgress(self, max_tokens, attempt.events_before)
+        progress = task_states.TaskProgress(
+            self, max_tokens, attempt.events_before, attempt.runner.id
+        )
         final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
         _remember_prefixes(self, prepared.job, final)
-        return task_states.finish(self, job_id, final)
+        return task_states.finish(self, job_id, final, max_tokens)
     except Reject as reject:
         reason, requeue = reject.args  # (celery-stubs lack the attributes)
         if requeue and isinstance(prepared, Prepared) and _routed_here(self, prepared.job):
@@ -152,7 +154,8 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     except SoftTimeLimitExceeded:
         store.drop_connections()  # the limit may have cut a round trip in half
         log.warning("soft time limit reached; ending the job", extra=extra)
-        return task_states.finish(self, job_id, _after_soft_limit(store, job_id, attempt))
+        limited = prepared.job.request.max_tokens if isinstance(prepared, Prepared) else None
+        return task_states.finish(self, job_id, _after_soft_limit(store, job_id, attempt), limited)
     except ExoError as exc:
         store.jobs.fail(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})

@@ -75,7 +75,8 @@ class FakeJobs:
         self.records: dict[str, JobRecord] = {}
         self.endings: dict[str, list[tuple[str, DoneEvent | RequeuedEvent]]] = defaultdict(list)
         self.events: dict[str, int] = defaultdict(int)
-        self.cancel_requested: set[str] = set()
+        self.cancel_requested: dict[str, str] = {}
+        self.waiting_messages: set[str] = set()  # jobs whose message waits in its queue
         self._ids = itertools.count(1)
 
     def add(self, job: JobRecord) -> JobRecord:
@@ -134,9 +135,20 @@ class FakeJobs:
         move = lifecycle.requeue(job, only_from_owner=only_from is not None)
         return move.record if self.apply(move) else None
 
-    def request_cancel(self, job_id: str) -> None:
+    def request_cancel(self, job_id: str, by: str) -> None:
         self.link.reach()
-        self.cancel_requested.add(job_id)
+        self.cancel_requested.setdefault(job_id, str(by))
+
+    def withdraw_message(self, job_id: str) -> bool:
+        self.link.reach()
+        if job_id not in self.waiting_messages:
+            return False
+        self.waiting_messages.remove(job_id)
+        return True
+
+    def cancel_reason(self, job_id: str) -> str | None:
+        self.link.reach()
+        return self.cancel_requested.get(job_id)
 
     def streamed_text(self, job_id: str) -> tuple[str, int]:
         return "", 0
@@ -293,22 +305,25 @@ class FakeRequest:
     timelimit: tuple[float | None, float | None] | None = None
 
 
-@dataclass
-class FakeApp:
-    store: FakeStore
-    settings: Settings
-    incarnation: str = INCARNATION
-
-
 class FakeBackend:
     def __init__(self) -> None:
         self.revoked: list[str] = []
+        self.reasons: list[str] = []
         self.fails = False
 
     def mark_as_revoked(self, task_id: str, reason: str, request: Any = None) -> None:
         if self.fails:
             raise redis.ConnectionError("Connection refused (fake)")
         self.revoked.append(task_id)
+        self.reasons.append(reason)
+
+
+@dataclass
+class FakeApp:
+    store: FakeStore
+    settings: Settings
+    incarnation: str = INCARNATION
+    backend: FakeBackend = field(default_factory=FakeBackend)
 
 
 class FakeTask:

@@ -4,7 +4,7 @@ signalled; any other task id goes to Celery's own handler as sent."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -17,11 +17,27 @@ from tests.unit.fakes import INCARNATION, RUNNER_ID, FakeApp, FakeStore, new_job
 RS = JobStatus
 
 
+class Dispatcher:
+    """The worker's event dispatcher: the events it sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, event: str, **fields: Any) -> None:
+        self.sent.append((event, fields))
+
+
+@dataclass
+class Consumer:
+    event_dispatcher: Dispatcher = field(default_factory=Dispatcher)
+
+
 @dataclass
 class State:
-    """What Celery hands a control command: here, its app."""
+    """What Celery hands a control command: its app and the worker's consumer."""
 
     app: FakeApp
+    consumer: Consumer = field(default_factory=Consumer)
 
 
 @pytest.fixture
@@ -55,6 +71,36 @@ class TestRevoke:
         assert store.jobs.records[job.id].status == RS.CANCELLED
         assert celery_calls == [([job.id],)]  # no terminate, no signal
         assert reply == {"ok": f"jobs {job.id} cancelled"}
+
+    def test_a_queued_jobs_message_is_withdrawn_and_its_task_revoked_by_one_worker(
+        self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
+    ) -> None:
+        job = store.jobs.add(new_job())
+        store.jobs.waiting_messages.add(job.id)
+        first, second = state_of(store), state_of(store)  # two workers get the revoke
+        revocation.revoke(first, job.id)
+        revocation.revoke(second, job.id)  # the job is cancelled already: a 409, no signal
+        assert store.jobs.waiting_messages == set()
+        [(event, fields)] = first.consumer.event_dispatcher.sent
+        reason = "revoked in Flower (or by celery control revoke)"
+        ended = {
+            "tokens": 0,
+            "max_tokens": job.request.max_tokens,
+            "runner": None,
+            "reason": reason,
+        }
+        assert (event, fields["uuid"], fields["result"]) == ("task-revoked", job.id, repr(ended))
+        assert first.app.backend.revoked == [job.id]
+        assert second.consumer.event_dispatcher.sent == [] and second.app.backend.revoked == []
+
+    def test_a_message_a_worker_took_already_is_left_to_that_worker(
+        self, store: FakeStore, celery_calls: list[tuple[Any, ...]]
+    ) -> None:
+        job = store.jobs.add(new_job())  # its message is in no queue
+        state = state_of(store)
+        revocation.revoke(state, job.id)
+        assert store.jobs.records[job.id].status == RS.CANCELLED
+        assert state.consumer.event_dispatcher.sent == [] and state.app.backend.revoked == []
 
     def test_a_running_job_is_cancelled_at_its_runner_and_its_pool_child_spared(
         self, store: FakeStore, celery_calls: list[tuple[Any, ...]]

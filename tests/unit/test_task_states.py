@@ -9,10 +9,11 @@ import pytest
 from celery import states
 from celery.exceptions import Ignore
 
-from exo_tasks.types import JobStatus
+from exo_tasks import jobs
+from exo_tasks.types import JobEnding, JobStatus
 from exo_tasks.worker import task_states
 from exo_tasks.worker.task_states import JobEnded, TaskProgress
-from tests.unit.fakes import FakeClock, FakeStore, FakeTask, clock_of, new_job
+from tests.unit.fakes import RUNNER_ID, FakeClock, FakeStore, FakeTask, clock_of, new_job
 
 RS = JobStatus
 
@@ -22,18 +23,21 @@ def task() -> FakeTask:
     return FakeTask(FakeStore())
 
 
-def finish(task: FakeTask, job_id: str, job: Any) -> dict[str, Any]:
-    return task_states.finish(cast(Any, task), job_id, job)
+def finish(task: FakeTask, job_id: str, job: Any, max_tokens: int | None = None) -> dict[str, Any]:
+    return task_states.finish(cast(Any, task), job_id, job, max_tokens)
 
 
 class TestFinish:
     def test_a_succeeded_job_is_the_tasks_result(self, task: FakeTask) -> None:
-        job = new_job(status=RS.SUCCEEDED)
+        job = new_job(status=RS.SUCCEEDED, runner_id=RUNNER_ID)
         job.output.finish_reason = "stop"
+        job.usage.completion_tokens = 7
         assert finish(task, job.id, job) == {
             "job_id": job.id,
             "status": RS.SUCCEEDED,
             "finish_reason": "stop",
+            "tokens": 7,
+            "runner": RUNNER_ID,
         }
 
     def test_an_unknown_job_is_a_result_too(self, task: FakeTask) -> None:
@@ -47,6 +51,22 @@ class TestFinish:
             finish(task, job.id, job)
         assert task.backend.revoked == [job.id]
         assert [event for event, _ in task.sent] == ["task-revoked"]
+
+    def test_a_revoked_task_shows_its_final_tokens_and_who_cancelled_it(
+        self, task: FakeTask
+    ) -> None:
+        job = new_job(status=RS.CANCELLED, runner_id=RUNNER_ID)
+        job.usage.completion_tokens = 134
+        task.app.store.jobs.request_cancel(job.id, jobs.CancelledBy.REVOKE)
+        task.app.store.jobs.request_cancel(job.id, jobs.CancelledBy.API)  # the first one counts
+        with pytest.raises(Ignore):
+            ending = JobEnding.model_validate(job.model_dump(exclude={"request"}))
+            finish(task, job.id, ending, max_tokens=40)  # an ending has no request
+        [(_, fields)] = task.sent
+        reason = "revoked in Flower (or by celery control revoke)"
+        ended = {"tokens": 134, "max_tokens": 40, "runner": RUNNER_ID, "reason": reason}
+        assert fields["result"] == repr(ended)
+        assert task.backend.reasons == [f"{reason} (134 tokens)"]
 
     def test_a_cancelled_job_is_revoked_even_when_the_backend_is_down(self, task: FakeTask) -> None:
         task.backend.fails = True
@@ -63,6 +83,25 @@ class TestFinish:
         with pytest.raises(JobEnded, match=f"job {status}: runner gone"):
             finish(task, job.id, job)
 
+    @pytest.mark.parametrize(
+        ("status", "limit"),
+        [(RS.TIMED_OUT, "soft time limit of 1.5s"), (RS.FAILED, "hard time limit of 31.5s")],
+    )
+    def test_a_time_limit_is_named_with_its_seconds_and_nothing_chained(
+        self, task: FakeTask, status: JobStatus, limit: str
+    ) -> None:
+        task.request.timelimit = (31.5, 1.5)  # Celery's (hard, soft)
+        job = new_job(status=status, runner_id=RUNNER_ID)
+        job.output.finish_reason = "time_limit"
+        try:
+            raise TimeoutError("the Redis read the soft limit cut")
+        except TimeoutError:
+            with pytest.raises(
+                JobEnded, match=f"job {status} on runner {RUNNER_ID}: its {limit} was reached"
+            ) as ended:
+                finish(task, job.id, job)
+        assert ended.value.__suppress_context__ and ended.value.__cause__ is None
+
     @pytest.mark.parametrize("status", [RS.QUEUED, RS.RUNNING])
     def test_a_job_still_active_leaves_the_tasks_state_to_its_attempt(
         self, task: FakeTask, status: JobStatus
@@ -78,25 +117,28 @@ class TestTaskProgress:
         return clock_of(monkeypatch, task_states)
 
     def test_started_is_stored_at_once_with_no_tokens(self, task: FakeTask) -> None:
-        TaskProgress(cast(Any, task), max_tokens=16, events_before=0)
-        assert task.states == [(states.STARTED, {"tokens": 0, "max_tokens": 16})]
+        TaskProgress(cast(Any, task), max_tokens=16, events_before=0, runner=RUNNER_ID)
+        assert task.states == [
+            (states.STARTED, {"tokens": 0, "max_tokens": 16, "runner": RUNNER_ID})
+        ]
 
     def test_tokens_are_reported_at_most_every_progress_every_s(
         self, task: FakeTask, clock: FakeClock
     ) -> None:
-        progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=3)
+        progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=3, runner=RUNNER_ID)
         clock.sleep(task_states.PROGRESS_EVERY_S - 0.1)
         progress.update(events=5)
         assert len(task.states) == 1  # too soon
         clock.sleep(0.1)
         progress.update(events=5)
         # The tokens of this attempt only: the events before it are an earlier attempt's.
-        assert task.states[-1] == (states.STARTED, {"tokens": 2, "max_tokens": 16})
+        meta = {"tokens": 2, "max_tokens": 16, "runner": RUNNER_ID}
+        assert task.states[-1] == (states.STARTED, meta)
         [(event, fields)] = task.sent
         assert event == "task-started" and fields["result"] == repr(task.states[-1][1])
 
     def test_no_report_without_new_tokens(self, task: FakeTask, clock: FakeClock) -> None:
-        progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=0)
+        progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=0, runner=RUNNER_ID)
         clock.sleep(10)
         progress.update(events=0)
         assert len(task.states) == 1 and task.sent == []
@@ -104,7 +146,7 @@ class TestTaskProgress:
     def test_a_report_redis_refuses_is_dropped_and_sends_no_event(
         self, task: FakeTask, clock: FakeClock
     ) -> None:
-        progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=0)
+        progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=0, runner=RUNNER_ID)
         task.store_fails = True
         clock.sleep(10)
         progress.update(events=4)  # does not raise: progress is a best effort

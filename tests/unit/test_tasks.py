@@ -397,4 +397,10 @@ class TestRejectRequeue:
 
         store.runners.on_send = run_it
         result = self.run(store, job, model_queue("tiny"))
-        assert result == {"job_id": job.id, "status": RS.SUCCEEDED, "finish_reason": "stop"}
+        assert result == {
+            "job_id": job.id,
+            "status": RS.SUCCEEDED,
+            "finish_reason": "stop",
+            "tokens": 0,
+            "runner": RUNNER_ID,
+        }
