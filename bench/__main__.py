@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     run["duration_s"] = round(time.monotonic() - started)
     run["other_pytest_processes_at_end"] = other_pytests()
     report.set_targets(results)
+    overhead.set_targets(results)
     stallfree.set_targets(results)
     prefix.set_targets(results)
     instances.set_targets(results)
