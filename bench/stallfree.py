@@ -33,7 +33,14 @@ PROBE_TOKENS = 32  # a stream's length while its pace is measured, without the l
 
 def run(lab: Lab, config: Config, results: Results) -> None:
     tokenizer = Tokenizer.from_file(str(config.bench_model / "tokenizer.json"))
-    prompts = [_text_of(tokenizer, config.stall_prompt_tokens, f"Doc {i}:") for i in range(PROMPTS)]
+    # Distinct prompts alone and beside the streams: the second set must not find the first in
+    # a prompt cache.
+    prompts = {
+        phase: [
+            _text_of(tokenizer, config.stall_prompt_tokens, f"{phase} {i}:") for i in range(PROMPTS)
+        ]
+        for phase in ("Alone", "Beside")
+    }
     for contender in (EXO, MLX_SERVER):
         log.info("stall-free decode: %s", contender)
         client, processes = _start(lab, config, contender)
@@ -54,9 +61,9 @@ def _start(lab: Lab, config: Config, contender: str) -> tuple[Callable[[], Clien
 
 
 def _measure(
-    client: Callable[[], Client], prompts: list[str], contender: str, results: Results
+    client: Callable[[], Client], prompts: dict[str, list[str]], contender: str, results: Results
 ) -> None:
-    alone = _together(client, [(p, 1) for p in prompts])
+    alone = _together(client, [(p, 1) for p in prompts["Alone"]])
     ttft_alone = [t.ttft_s or 0.0 for t in alone]
     probes = _together(
         client, [(f"Stream {i}: tell a story", PROBE_TOKENS) for i in range(STREAMS)]
@@ -76,8 +83,8 @@ def _measure(
     while min(len(t.token_times) for t in streams) < 3:
         time.sleep(0.05)
     sent = time.monotonic()
-    beside = _together(client, [(p, 1) for p in prompts])
-    until = max(t.token_times[0] for t in beside if t.token_times)
+    beside = _together(client, [(p, 1) for p in prompts["Beside"]])
+    until = max((t.token_times[0] for t in beside if t.token_times), default=time.monotonic())
     for thread in threads:
         thread.join()
     sample = results.sample
