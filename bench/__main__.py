@@ -30,6 +30,7 @@ from bench import (
     prefix,
     report,
     scale,
+    stallfree,
     stopping,
     throughput,
 )
@@ -49,6 +50,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "prefix": prefix.run,
     "instances": instances.run,
     "flood": flood.run,
+    "stallfree": stallfree.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     run["duration_s"] = round(time.monotonic() - started)
     run["other_pytest_processes_at_end"] = other_pytests()
     report.set_targets(results)
+    overhead.set_targets(results)
+    stallfree.set_targets(results)
     prefix.set_targets(results)
     instances.set_targets(results)
     report.write_json(results, args.out / "latest.json", run)

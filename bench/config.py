@@ -25,6 +25,7 @@ class Config:
     scale_workers: int = 2
     scale_senders: int = 8
     batch_lines: int = 2000
+    stall_prompt_tokens: int = 7000  # each long prompt of the stall-free section
 
     def quick(self) -> Config:
         return Config(
@@ -38,4 +39,5 @@ class Config:
             overhead_jobs=10,
             scale_jobs=300,
             batch_lines=300,
+            stall_prompt_tokens=600,
         )

@@ -1,5 +1,7 @@
 """The queue's overhead on the `tiny` model: a 1-token job through the HTTP API (submit, then
-stream until done) against `mlx_lm.stream_generate` in process for the same prompts."""
+stream until done) against `mlx_lm.stream_generate` in process for the same prompts; beside it,
+what Celery itself costs on the same Redis (bench/celery_noop.py), and the issue's target
+(issue 32): the 1-token job's queue overhead p50 at most 1.5x that bare round trip."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import logging
 import subprocess
 import sys
 
+from bench import celery_noop
 from bench.clients import ExoClient
 from bench.config import Config
 from bench.contenders import Lab, start_exo
 from bench.load import sequential
-from bench.results import EXO, IN_PROCESS, Results, percentile
+from bench.results import CELERY, EXO, IN_PROCESS, Results, Target, percentile
 
 log = logging.getLogger("bench")
 SECTION = "overhead"
@@ -30,10 +33,15 @@ def run(lab: Lab, config: Config, results: Results) -> None:
     try:
         client = ExoClient(stack.url, ignore_eos=True)
         sequential(client, 3, 1, "warmup")  # connections, first-use paths
+        celery_noop.start_worker(stack.processes, stack.redis.url, stack.directory / "noop.log")
+        celery_noop.round_trips_ms(stack.redis.url, 3)  # warmup
         queued: list[list[float]] = []
         for repeat in range(config.repeats):
             traces = sequential(client, config.overhead_jobs, 1, f"overhead {repeat}")
             queued.append([t.latency_s * 1000 for t in traces if t.latency_s is not None])
+            # Side by side: the bare round trip right after each round of jobs.
+            bare = percentile(celery_noop.round_trips_ms(stack.redis.url, config.overhead_jobs), 50)
+            results.sample(SECTION, "bare Celery round trip p50", CELERY, "ms", bare)
     finally:
         lab.stop(stack.processes)
     for contender, rounds in ((IN_PROCESS, baseline), (EXO, queued)):
@@ -43,3 +51,12 @@ def run(lab: Lab, config: Config, results: Results) -> None:
     for alone, through_queue in zip(baseline, queued, strict=True):
         difference = percentile(through_queue, 50) - percentile(alone, 50)
         results.sample(SECTION, "queue overhead p50", EXO, "ms", difference)
+
+
+def set_targets(results: Results) -> None:
+    """Issue 32: the 1-token job's queue overhead p50 <= 1.5x a bare Celery round trip's."""
+    measured = results.find(SECTION, "queue overhead p50", EXO)
+    bare = results.find(SECTION, "bare Celery round trip p50", CELERY)
+    if measured is not None and bare is not None and measured.samples and bare.samples:
+        name = "queue overhead p50 <= 1.5x a bare Celery round trip"
+        results.targets.append(Target(name, measured, bare, "<=", 1.5))

@@ -13,6 +13,7 @@ EXO_NO_CACHE = "exo_tasks, prompt cache off"
 EXO_TWO_WORKERS = "exo_tasks, 2 workers"
 EXO_TWO_WORKERS_UNROUTED = "exo_tasks, 2 workers, prefix routing off"
 IN_PROCESS = "stream_generate in process"
+CELERY = "Celery, a no-op task"
 Op = Literal[">=", "<="]
 
 

@@ -98,8 +98,9 @@ class Settings(BaseSettings):
     prefill_step_size: int = Field(
         256,
         ge=1,
-        description="Prompt tokens a runner prefills per step; each step is progress for the "
-        "prefill stall limit, so a long prompt is work, not a hang.",
+        description="Prompt tokens a runner prefills per step at most; each step is progress "
+        "for the prefill stall limit, so a long prompt is work, not a hang. On the CPU, while "
+        "jobs decode, a step prefills only for about as long as a decode step (fewer tokens).",
     )
     prompt_cache_bytes: int = Field(
         1 << 30,

@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 from tokenizers import Tokenizer
 
-from exo_tasks.runner import sampling
+from exo_tasks.runner import prefill_pace, sampling
 from exo_tasks.runner.lane import Advance, EngineFinish, Lane, LaneJob, TokenDelta
 from exo_tasks.runner.lane_threads import LaneThread, run_here
 from exo_tasks.runner.prompt_cache import PromptCache
@@ -37,10 +37,11 @@ MAX_AUTO_LANES = 8
 # lanes of 1 job make 17% fewer tokens/s than one lane of 2; two of 4, 7% more than one of 8;
 # two of 16, 61% more than one of 32), so a lane is opened only once the busy ones hold this.
 LANE_MIN_JOBS = 4
-# Prompt tokens a lane prefills per step. A step is the stall watchdog's unit of progress, so
-# it must stay short however long the prompt: on a 2-core CPU (`tiny`, 8,192 tokens) the last
-# step took 6.1 s at mlx-lm's default of 2,048, 1.8 s at 512 and 1.2 s at 256, for the same
-# total (12-13 s). Decoding jobs in the lane also wait one step for their next token.
+# Prompt tokens a lane prefills per step at most. A step is the stall watchdog's unit of
+# progress, so it must stay short however long the prompt: on a 2-core CPU (`tiny`, 8,192
+# tokens) the last step took 6.1 s at mlx-lm's default of 2,048, 1.8 s at 512 and 1.2 s at
+# 256, for the same total (12-13 s). While jobs decode, a CPU step is sized in time instead
+# (exo_tasks.runner.prefill_pace): they wait for each step for their next token.
 PREFILL_STEP_SIZE = 256
 # Prompt tokens a lane's step may prefill on the CPU (a step is let to compute more only for one
 # long prompt, or to let a shorter one join it). On the CPU a step's time grows with its tokens
@@ -248,9 +249,12 @@ class BatchEngine:
         computing = [lane.jobs[uid] for lane in self._lanes for uid in lane.prefilling]
         deltas = [d for lane in self._lanes for d in self._admit(lane, computing)]
         keep = self.prompt_cache.enabled
+        # Lanes step together: while a job decodes in any lane, every lane's prefill is paced.
+        decoding = [lane.pace.decode_s for lane in self._lanes if lane.decoding]
+        budget_s = prefill_pace.step_budget(decoding) if decoding else None
         # Lane 0 runs here, when it is submitted: the others are started before it.
         busy = [lane for lane in reversed(self._lanes) if lane.jobs]
-        running = [(lane, lane.submit(lane.advance, keep)) for lane in busy]
+        running = [(lane, lane.submit(lane.advance, keep, budget_s)) for lane in busy]
         batch = 0
         self._prefill_chunks = 0
         for lane, future in running:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -30,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
+from exo_tasks.runner.prefill_pace import PrefillPace
 from exo_tasks.runner.prompt_cache import Lookup, PromptCache
 from exo_tasks.runner.toolcalls import ToolCallSplitter, held_back
 from exo_tasks.types import TokenEvent
@@ -144,6 +146,7 @@ class Lane:
         self.jobs: dict[int, LaneJob] = {}  # in the generator, by uid
         self.waiting: deque[LaneJob] = deque()  # not yet in it
         self.prefilling: set[int] = set()  # uids still in prefill
+        self.pace = PrefillPace()  # what its steps cost, measured as they run
         self._make = functools.partial(
             BatchGenerator,
             model,
@@ -226,16 +229,31 @@ class Lane:
         job.lookup = None  # the generator holds the state now
         return int(uid)
 
-    def advance(self, keep: bool) -> Advance:
+    @property
+    def decoding(self) -> bool:
+        """Whether a job of the lane is past its prompt (its next token waits for each step)."""
+        return len(self.jobs) > len(self.prefilling)
+
+    def advance(self, keep: bool, budget_s: float | None = None) -> Advance:
         """The generator's next step, on the lane's thread; `keep`: with the KV states of the
-        prompts it finished prefilling and the sequences it ended, evaluated here."""
+        prompts it finished prefilling and the sequences it ended, evaluated here; `budget_s`:
+        the time its prefill may take (with a token budget only: on the CPU), None: no limit."""
+        decoding = self.decoding
         if self.prefill_token_budget:
-            left = [self.jobs[uid].prefill_left for uid in self.prefilling]
-            self.generator.prefill_step_size = self._chunk(self._computing(left))
+            computing = self._computing([self.jobs[uid].prefill_left for uid in self.prefilling])
+            chunk = self._chunk(computing)
+            if budget_s is not None:
+                chunk = self.pace.chunk(budget_s, len(computing), chunk)
+            self.generator.prefill_step_size = chunk
+        started = time.perf_counter()
         prompts, responses = self.generator.next()
+        prefilled = 0
         for p in prompts:
             if (job := self.jobs.get(p.uid)) is not None:
-                job.prefill_left = p.progress[1] - p.progress[0]
+                left = p.progress[1] - p.progress[0]
+                prefilled += 0 if p.end_of_prompt else job.prefill_left - left
+                job.prefill_left = left
+        self.pace.observe(time.perf_counter() - started, prefilled, decoding)
         ended = [p.uid for p in prompts if p.end_of_prompt]
         self.prefilling.difference_update(ended)
         snapshots: list[Snapshot] = []

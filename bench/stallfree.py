@@ -1,0 +1,155 @@
+"""Stall-free decode (issue 32) on the `bench` model: STREAMS streams decode while PROMPTS long
+prompts (config.stall_prompt_tokens each, distinct) arrive at once, on exo_tasks and on
+mlx_lm.server. Rows: each stream's p99 gap between tokens (the median over the streams) with
+the long prompts arriving and without them, and the long prompts' TTFT (p50) beside the streams
+and alone. The streams are long enough to outlast the prompts' prefill (their length is taken
+from the prompts' TTFT alone); gaps are counted from when the prompts are sent until the last
+one's first token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from tokenizers import Tokenizer
+
+from bench.clients import Client, ExoClient, MlxServerClient, Trace
+from bench.config import Config
+from bench.contenders import Lab, start_exo, start_mlx_server
+from bench.prefix import _text_of
+from bench.results import EXO, MLX_SERVER, Results, Target, percentile
+from tests.support.processes import Processes
+
+log = logging.getLogger("bench")
+SECTION = "stall_free"
+STREAMS, PROMPTS = 8, 4
+PROBE_TOKENS = 32  # a stream's length while its pace is measured, without the long prompts
+
+
+def run(lab: Lab, config: Config, results: Results) -> None:
+    tokenizer = Tokenizer.from_file(str(config.bench_model / "tokenizer.json"))
+    # Distinct prompts alone and beside the streams: the second set must not find the first in
+    # a prompt cache.
+    prompts = {
+        phase: [
+            _text_of(tokenizer, config.stall_prompt_tokens, f"{phase} {i}:") for i in range(PROMPTS)
+        ]
+        for phase in ("Alone", "Beside")
+    }
+    for contender in (EXO, MLX_SERVER):
+        log.info("stall-free decode: %s", contender)
+        client, processes = _start(lab, config, contender)
+        try:
+            _measure(client, prompts, contender, results)
+        finally:
+            lab.stop(processes)
+
+
+def _start(lab: Lab, config: Config, contender: str) -> tuple[Callable[[], Client], Processes]:
+    if contender == MLX_SERVER:
+        server = start_mlx_server(lab, "mlx-stall", config.bench_model)
+        return lambda: MlxServerClient(server.url), server.processes
+    # Without jobs decoding, a step prefills 256 tokens: on a loaded machine one such step of a
+    # 7,000-token prompt's end can near the 60 s stall limit, which guards against hangs only.
+    stack = start_exo(lab, "exo-stall", config.bench_model, prefill_timeout_s=600.0)
+    return lambda: ExoClient(stack.url, ignore_eos=True), stack.processes
+
+
+def _measure(
+    client: Callable[[], Client], prompts: dict[str, list[str]], contender: str, results: Results
+) -> None:
+    alone = _together(client, [(p, 1) for p in prompts["Alone"]])
+    ttft_alone = [t.ttft_s or 0.0 for t in alone]
+    probes = _together(
+        client, [(f"Stream {i}: tell a story", PROBE_TOKENS) for i in range(STREAMS)]
+    )
+    per_token_s = max(_median_gap(t) for t in probes)
+    # Long enough to decode until the prompts' prefill is over, beside them (where each of
+    # their steps may take twice as long as alone).
+    stream_tokens = int(1.5 * max(ttft_alone) / per_token_s) + PROBE_TOKENS
+    log.info("stall-free %s: TTFT alone %s s, streams of %d", contender, ttft_alone, stream_tokens)
+    streams = [Trace(time.monotonic()) for _ in range(STREAMS)]
+    threads = [
+        threading.Thread(target=client().run, args=(t, f"Stream {i}: go on", stream_tokens))
+        for i, t in enumerate(streams)
+    ]
+    for thread in threads:
+        thread.start()
+    while min(len(t.token_times) for t in streams) < 3:
+        time.sleep(0.05)
+    sent = time.monotonic()
+    beside = _together(client, [(p, 1) for p in prompts["Beside"]])
+    until = max((t.token_times[0] for t in beside if t.token_times), default=time.monotonic())
+    for thread in threads:
+        thread.join()
+    sample = results.sample
+    for label, traces, start, end in (
+        ("without", probes, 0.0, 1e18),
+        ("with", streams, sent, until),
+    ):
+        p99s = [percentile(_gaps(t, start, end), 99) * 1000 for t in traces]
+        sample(
+            SECTION,
+            f"stream p99 gap, {label} the long prompts",
+            contender,
+            "ms",
+            percentile(p99s, 50),
+        )
+    sample(SECTION, "long prompts TTFT p50, alone", contender, "s", percentile(ttft_alone, 50))
+    ttft_beside = [t.ttft_s or 0.0 for t in beside]
+    sample(
+        SECTION,
+        "long prompts TTFT p50, beside the streams",
+        contender,
+        "s",
+        percentile(ttft_beside, 50),
+    )
+    failed = [t.error for t in (*alone, *probes, *streams, *beside) if t.error]
+    if failed:
+        log.error("stall-free %s: %d requests failed: %s", contender, len(failed), failed[0])
+
+
+def _together(client: Callable[[], Client], requests: list[tuple[str, int]]) -> list[Trace]:
+    def one(request: tuple[str, int]) -> Trace:
+        trace = Trace(time.monotonic())
+        client().run(trace, *request)
+        return trace
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def _gaps(trace: Trace, start: float, end: float) -> list[float]:
+    times = trace.token_times
+    return [b - a for a, b in itertools.pairwise(times) if start <= b <= end] or [0.0]
+
+
+def _median_gap(trace: Trace) -> float:
+    return percentile(_gaps(trace, 0.0, 1e18), 50)
+
+
+def set_targets(results: Results) -> None:
+    """Issue 32, for exo_tasks: the streams' p99 gap with the long prompts <= 2x without; the
+    long prompts' TTFT beside the streams <= 1.3x alone."""
+    pairs = (
+        ("stream p99 gap, with the long prompts", "stream p99 gap, without the long prompts", 2.0),
+        ("long prompts TTFT p50, beside the streams", "long prompts TTFT p50, alone", 1.3),
+    )
+    for row, reference_row, bound in pairs:
+        measured, reference = (
+            results.find(SECTION, row, EXO),
+            results.find(SECTION, reference_row, EXO),
+        )
+        if (
+            measured is not None
+            and reference is not None
+            and measured.samples
+            and reference.samples
+        ):
+            name = f"{row} <= {bound}x {reference_row.split(', ', 1)[1]}"
+            results.targets.append(Target(name, measured, reference, "<=", bound))
