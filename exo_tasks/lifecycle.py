@@ -1,5 +1,5 @@
-"""The state machines as data: which status a job, or a runner, may move to from which (an
-instance's: exo_tasks.instances; a batch's: exo_tasks.batch.lifecycle).
+"""The state machines as data: which status a job, a runner or a batch may move to from which
+(an instance's: exo_tasks.instances).
 
 The job's: the record and event each move writes. Pure (no Redis, no MLX): the store executes a
 `Move` with one compare-and-set, so the first of the runner, the task, the recovery loop or a
@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from exo_tasks.batch_types import BATCH_ENDED, Batch, BatchStatus
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.types import (
     FinishReason,
@@ -233,3 +234,49 @@ def move_runner(state: RunnerState, to: RunnerStatus, **changes: Any) -> RunnerS
         )
         return None
     return state.model_copy(update={**changes, "status": to})
+
+
+# --- the batch (OpenAI's Batch API) ---
+#
+#   validating ─▶ in_progress ─▶ finalizing ─▶ completed
+#   validating | in_progress ─▶ cancelling ─▶ cancelled        in_progress ─▶ expired
+#   any not ended ─▶ failed      (its input does not validate, or a step of it raised)
+
+BS = BatchStatus
+BATCH_TRANSITIONS: dict[BatchStatus, frozenset[BatchStatus]] = {
+    BS.VALIDATING: frozenset({BS.IN_PROGRESS, BS.CANCELLING, BS.FAILED}),
+    BS.IN_PROGRESS: frozenset({BS.FINALIZING, BS.EXPIRED, BS.CANCELLING, BS.FAILED}),
+    BS.FINALIZING: frozenset({BS.COMPLETED, BS.FAILED}),
+    BS.CANCELLING: frozenset({BS.CANCELLED, BS.FAILED}),
+    # An ending closed again: a feeder killed between the move and dropping what the batch
+    # kept leaves it open, and the next feeder closes it once more.
+    **{ending: frozenset({ending}) for ending in BATCH_ENDED},
+}
+
+
+@dataclass(frozen=True)
+class BatchMove:
+    """Write `batch` if the stored one is in one of `allowed_from` (compare-and-set: the API's
+    cancel and the feeder never overwrite each other). None allowed: a move the table refused."""
+
+    batch: Batch
+    allowed_from: tuple[BatchStatus, ...]
+
+
+def move_batch(batch: Batch, to: BatchStatus, at: int, **changes: Any) -> BatchMove:
+    """The feeder's move of `batch` to `to` at `at` (its `<to>_at`), with `changes`: only from
+    the status it saw, so a cancel that came meanwhile is never overwritten."""
+    moved = batch.model_copy(update={**changes, "status": to, f"{to}_at": at})
+    if to in BATCH_TRANSITIONS[batch.status]:
+        return BatchMove(moved, (batch.status,))
+    log.error(
+        "batch status change refused",
+        extra={"batch_id": batch.id, "status": batch.status, "to": to},
+    )
+    return BatchMove(moved, ())
+
+
+def cancel_batch(batch: Batch, at: int) -> BatchMove:
+    """The API's cancel: from any status the table moves to `cancelling` from."""
+    moved = batch.model_copy(update={"status": BS.CANCELLING, "cancelling_at": at})
+    return BatchMove(moved, tuple(s for s, to in BATCH_TRANSITIONS.items() if BS.CANCELLING in to))

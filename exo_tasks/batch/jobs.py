@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from exo_tasks import jobs
-from exo_tasks.batch.types import Batch
+from exo_tasks.batch_types import Batch
 from exo_tasks.errors import ExoError
 from exo_tasks.store import Store
 
