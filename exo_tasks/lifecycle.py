@@ -189,6 +189,8 @@ def cancel_status(reason: Literal["cancelled", "time_limit"]) -> JobStatus:
 #   WaitingForModel ─▶ Loading ─▶ Loaded ─▶ WarmingUp ─▶ Ready ⇄ Running
 #   Ready | Running ─▶ ShuttingDown ─▶ Shutdown      Ready ─▶ Unloaded (idle)
 #   any ─▶ Failed      (a crash, a hang, its host gone: its supervisor or the recovery loop says so)
+#   any ─▶ Shutdown    (stopped on purpose: its supervisor says so once the process has ended,
+#                       however it ended; the escalation's cause, if it took one, is its error)
 #
 # A spawn begins a new life (`spawned_runner`), whatever the last one left in Redis.
 
@@ -196,17 +198,18 @@ RS = RunnerStatus
 # Its process has ended (or is ending): only the supervisor or the recovery loop speaks for it
 # now, and only a spawn brings it back.
 RUNNER_ENDINGS = frozenset({RS.UNLOADED, RS.SHUTDOWN, RS.FAILED})
+ENDED_BY_ITS_SUPERVISOR = frozenset({RS.SHUTDOWN, RS.FAILED})
 RUNNER_TRANSITIONS: dict[RunnerStatus, frozenset[RunnerStatus]] = {
-    RS.WAITING_FOR_MODEL: frozenset({RS.LOADING, RS.FAILED}),
-    RS.LOADING: frozenset({RS.LOADED, RS.FAILED}),
-    RS.LOADED: frozenset({RS.WARMING_UP, RS.FAILED}),
-    RS.WARMING_UP: frozenset({RS.READY, RS.FAILED}),
-    RS.READY: frozenset({RS.RUNNING, RS.SHUTTING_DOWN, RS.UNLOADED, RS.FAILED}),
-    RS.RUNNING: frozenset({RS.READY, RS.SHUTTING_DOWN, RS.FAILED}),
-    RS.SHUTTING_DOWN: frozenset({RS.SHUTDOWN, RS.FAILED}),
+    RS.WAITING_FOR_MODEL: frozenset({RS.LOADING, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.LOADING: frozenset({RS.LOADED, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.LOADED: frozenset({RS.WARMING_UP, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.WARMING_UP: frozenset({RS.READY, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.READY: frozenset({RS.RUNNING, RS.SHUTTING_DOWN, RS.UNLOADED, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.RUNNING: frozenset({RS.READY, RS.SHUTTING_DOWN, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.SHUTTING_DOWN: ENDED_BY_ITS_SUPERVISOR,
     # Stopped on purpose while unloaded; or its host went, or it crashed as it unloaded.
-    RS.UNLOADED: frozenset({RS.SHUTDOWN, RS.FAILED}),
-    # It said Shutdown, then its process did not exit cleanly after all.
+    RS.UNLOADED: ENDED_BY_ITS_SUPERVISOR,
+    # It said Shutdown, then its process failed after all (a hang its supervisor stopped).
     RS.SHUTDOWN: frozenset({RS.FAILED}),
     # Stopped on purpose while it waited for its restart.
     RS.FAILED: frozenset({RS.SHUTDOWN}),

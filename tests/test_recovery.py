@@ -8,7 +8,9 @@ as a second host of a fleet would.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -170,11 +172,20 @@ def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(
 ) -> None:
     host = "rc-pinned"
     new_worker(stack, processes, tiny_model, tmp_path, host)
-    assert (
-        stack.api.post(f"/v1/runners/tiny@{host}/shutdown", json={"mode": "hard"}).status_code
-        == 202
-    )
-    wait_until(lambda: runner_state(stack.store, host).status == "Shutdown", 10, "Shutdown")
+    pid = runner_state(stack.store, host).pid
+    assert pid is not None
+    # Deaf to the stop and to SIGTERM, as a runner slow to exit under load: the hard stop needs
+    # the escalation, and is still a stop on purpose.
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stop = stack.api.post(f"/v1/runners/tiny@{host}/shutdown", json={"mode": "hard"})
+        assert stop.status_code == 202
+        wait_until(lambda: runner_state(stack.store, host).status.is_final, 12, "its stop")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    stopped = runner_state(stack.store, host)
+    assert (stopped.status, stopped.error) == ("Shutdown", "Terminated (signal 9 SIGKILL)")
     # Queued before the API could see the stop (as a job already waiting in the queue would be).
     job = JobRecord(
         id=uuid.uuid4().hex,
