@@ -1,5 +1,5 @@
-"""The state machines as data: which status a job, or a runner, may move to from which (an
-instance's: exo_tasks.instances; a batch's: exo_tasks.batch.lifecycle).
+"""The state machines as data: which status a job, a runner or a batch may move to from which
+(an instance's: exo_tasks.instances).
 
 The job's: the record and event each move writes. Pure (no Redis, no MLX): the store executes a
 `Move` with one compare-and-set, so the first of the runner, the task, the recovery loop or a
@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from exo_tasks.batch_types import BATCH_ENDED, Batch, BatchStatus
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.types import (
     FinishReason,
@@ -188,6 +189,8 @@ def cancel_status(reason: Literal["cancelled", "time_limit"]) -> JobStatus:
 #   WaitingForModel ─▶ Loading ─▶ Loaded ─▶ WarmingUp ─▶ Ready ⇄ Running
 #   Ready | Running ─▶ ShuttingDown ─▶ Shutdown      Ready ─▶ Unloaded (idle)
 #   any ─▶ Failed      (a crash, a hang, its host gone: its supervisor or the recovery loop says so)
+#   any ─▶ Shutdown    (stopped on purpose: its supervisor says so once the process has ended,
+#                       however it ended; the escalation's cause, if it took one, is its error)
 #
 # A spawn begins a new life (`spawned_runner`), whatever the last one left in Redis.
 
@@ -195,17 +198,18 @@ RS = RunnerStatus
 # Its process has ended (or is ending): only the supervisor or the recovery loop speaks for it
 # now, and only a spawn brings it back.
 RUNNER_ENDINGS = frozenset({RS.UNLOADED, RS.SHUTDOWN, RS.FAILED})
+ENDED_BY_ITS_SUPERVISOR = frozenset({RS.SHUTDOWN, RS.FAILED})
 RUNNER_TRANSITIONS: dict[RunnerStatus, frozenset[RunnerStatus]] = {
-    RS.WAITING_FOR_MODEL: frozenset({RS.LOADING, RS.FAILED}),
-    RS.LOADING: frozenset({RS.LOADED, RS.FAILED}),
-    RS.LOADED: frozenset({RS.WARMING_UP, RS.FAILED}),
-    RS.WARMING_UP: frozenset({RS.READY, RS.FAILED}),
-    RS.READY: frozenset({RS.RUNNING, RS.SHUTTING_DOWN, RS.UNLOADED, RS.FAILED}),
-    RS.RUNNING: frozenset({RS.READY, RS.SHUTTING_DOWN, RS.FAILED}),
-    RS.SHUTTING_DOWN: frozenset({RS.SHUTDOWN, RS.FAILED}),
+    RS.WAITING_FOR_MODEL: frozenset({RS.LOADING, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.LOADING: frozenset({RS.LOADED, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.LOADED: frozenset({RS.WARMING_UP, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.WARMING_UP: frozenset({RS.READY, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.READY: frozenset({RS.RUNNING, RS.SHUTTING_DOWN, RS.UNLOADED, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.RUNNING: frozenset({RS.READY, RS.SHUTTING_DOWN, *ENDED_BY_ITS_SUPERVISOR}),
+    RS.SHUTTING_DOWN: ENDED_BY_ITS_SUPERVISOR,
     # Stopped on purpose while unloaded; or its host went, or it crashed as it unloaded.
-    RS.UNLOADED: frozenset({RS.SHUTDOWN, RS.FAILED}),
-    # It said Shutdown, then its process did not exit cleanly after all.
+    RS.UNLOADED: ENDED_BY_ITS_SUPERVISOR,
+    # It said Shutdown, then its process failed after all (a hang its supervisor stopped).
     RS.SHUTDOWN: frozenset({RS.FAILED}),
     # Stopped on purpose while it waited for its restart.
     RS.FAILED: frozenset({RS.SHUTDOWN}),
@@ -233,3 +237,49 @@ def move_runner(state: RunnerState, to: RunnerStatus, **changes: Any) -> RunnerS
         )
         return None
     return state.model_copy(update={**changes, "status": to})
+
+
+# --- the batch (OpenAI's Batch API) ---
+#
+#   validating ─▶ in_progress ─▶ finalizing ─▶ completed
+#   validating | in_progress ─▶ cancelling ─▶ cancelled        in_progress ─▶ expired
+#   any not ended ─▶ failed      (its input does not validate, or a step of it raised)
+
+BS = BatchStatus
+BATCH_TRANSITIONS: dict[BatchStatus, frozenset[BatchStatus]] = {
+    BS.VALIDATING: frozenset({BS.IN_PROGRESS, BS.CANCELLING, BS.FAILED}),
+    BS.IN_PROGRESS: frozenset({BS.FINALIZING, BS.EXPIRED, BS.CANCELLING, BS.FAILED}),
+    BS.FINALIZING: frozenset({BS.COMPLETED, BS.FAILED}),
+    BS.CANCELLING: frozenset({BS.CANCELLED, BS.FAILED}),
+    # An ending closed again: a feeder killed between the move and dropping what the batch
+    # kept leaves it open, and the next feeder closes it once more.
+    **{ending: frozenset({ending}) for ending in BATCH_ENDED},
+}
+
+
+@dataclass(frozen=True)
+class BatchMove:
+    """Write `batch` if the stored one is in one of `allowed_from` (compare-and-set: the API's
+    cancel and the feeder never overwrite each other). None allowed: a move the table refused."""
+
+    batch: Batch
+    allowed_from: tuple[BatchStatus, ...]
+
+
+def move_batch(batch: Batch, to: BatchStatus, at: int, **changes: Any) -> BatchMove:
+    """The feeder's move of `batch` to `to` at `at` (its `<to>_at`), with `changes`: only from
+    the status it saw, so a cancel that came meanwhile is never overwritten."""
+    moved = batch.model_copy(update={**changes, "status": to, f"{to}_at": at})
+    if to in BATCH_TRANSITIONS[batch.status]:
+        return BatchMove(moved, (batch.status,))
+    log.error(
+        "batch status change refused",
+        extra={"batch_id": batch.id, "status": batch.status, "to": to},
+    )
+    return BatchMove(moved, ())
+
+
+def cancel_batch(batch: Batch, at: int) -> BatchMove:
+    """The API's cancel: from any status the table moves to `cancelling` from."""
+    moved = batch.model_copy(update={"status": BS.CANCELLING, "cancelling_at": at})
+    return BatchMove(moved, tuple(s for s, to in BATCH_TRANSITIONS.items() if BS.CANCELLING in to))

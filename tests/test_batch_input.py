@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from exo_tasks import json_input
 from exo_tasks.batch.input import UnreadableLine, check, read_line
-from exo_tasks.batch.types import window_seconds
+from exo_tasks.batch_types import window_seconds
 from exo_tasks.errors import BadRequest, ExoError, InvalidRequest
 
 URL = "/v1/chat/completions"

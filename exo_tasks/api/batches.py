@@ -8,12 +8,12 @@ import uuid
 
 from flask import Blueprint, Response, jsonify
 
+from exo_tasks import lifecycle
 from exo_tasks.api.context import ctx
 from exo_tasks.api.files import page_args
 from exo_tasks.api.http import json_body
-from exo_tasks.batch import lifecycle as batch_lifecycle
 from exo_tasks.batch.jobs import cancel_inflight
-from exo_tasks.batch.types import Batch, BatchCreate, BatchList, BatchStatus, window_seconds
+from exo_tasks.batch_types import Batch, BatchCreate, BatchList, BatchStatus, window_seconds
 from exo_tasks.errors import Conflict, InvalidRequest, NotFound
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")
@@ -71,7 +71,7 @@ def cancel_batch(batch_id: str) -> Response:
     if batch.ended:
         raise Conflict(f"batch '{batch_id}' is already {batch.status}", {"status": batch.status})
     if batch.status != BatchStatus.CANCELLING:
-        if not context.store.batches.move(batch_lifecycle.cancel(batch, int(time.time()))):
+        if not context.store.batches.move(lifecycle.cancel_batch(batch, int(time.time()))):
             batch = _batch_or_404(batch_id)
             if batch.status != BatchStatus.CANCELLING:
                 raise Conflict(f"batch '{batch_id}' is {batch.status}", {"status": batch.status})

@@ -12,7 +12,7 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from exo_tasks.api.context import ctx
-from exo_tasks.batch.types import FileDeleted, FileList, FileObject
+from exo_tasks.batch_types import FileDeleted, FileList, FileObject
 from exo_tasks.errors import BadRequest, Conflict, ExoError, InvalidRequest, NotFound
 
 bp = Blueprint("files", __name__, url_prefix="/v1")

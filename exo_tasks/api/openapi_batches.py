@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from exo_tasks.api.openapi_ops import Op, Reply
-from exo_tasks.batch.types import Batch, BatchCreate, BatchList, FileDeleted, FileList, FileObject
+from exo_tasks.batch_types import Batch, BatchCreate, BatchList, FileDeleted, FileList, FileObject
 
 
 class FileUpload(BaseModel):

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from exo_tasks import fairness, jobs, json_input, metrics
+from exo_tasks import fairness, jobs, json_input, lifecycle, metrics
 from exo_tasks.batch import input as batch_input
-from exo_tasks.batch import lifecycle as batch_lifecycle
 from exo_tasks.batch.jobs import cancel_inflight, line_job_id
 from exo_tasks.batch.results import ENDPOINTS, LineResults, succeeded
-from exo_tasks.batch.types import (
+from exo_tasks.batch_types import (
     Batch,
     BatchError,
     BatchErrors,
@@ -184,12 +183,12 @@ class BatchFeeder:
         if checked.errors:
             errors = BatchErrors(data=checked.errors)
             self.store.batches.close(
-                batch_lifecycle.move(batch, BatchStatus.FAILED, now, errors=errors)
+                lifecycle.move_batch(batch, BatchStatus.FAILED, now, errors=errors)
             )
             return
         self.store.batches.set_spans(batch.id, checked.spans)
         counts = RequestCounts(total=len(checked.spans))
-        started = batch_lifecycle.move(batch, BatchStatus.IN_PROGRESS, now, request_counts=counts)
+        started = lifecycle.move_batch(batch, BatchStatus.IN_PROGRESS, now, request_counts=counts)
         self.store.batches.move(started)
 
     # --- collecting the jobs that ended ---
@@ -333,13 +332,13 @@ class BatchFeeder:
     def _end(self, batch: Batch, status: BatchStatus) -> None:
         now = int(time.time())
         if status == BatchStatus.COMPLETED and batch.status == BatchStatus.IN_PROGRESS:
-            finalizing = batch_lifecycle.move(batch, BatchStatus.FINALIZING, now)
+            finalizing = lifecycle.move_batch(batch, BatchStatus.FINALIZING, now)
             if not self.store.batches.move(finalizing):
                 return  # cancelled meanwhile: the next tick ends it so
             batch = finalizing.batch
         expired = status == BatchStatus.EXPIRED
         self._cut_short_the_rest(batch, BatchStatus.EXPIRED if expired else BatchStatus.CANCELLING)
-        ended = batch_lifecycle.move(batch, status, now, **self._result_files(batch, now))
+        ended = lifecycle.move_batch(batch, status, now, **self._result_files(batch, now))
         self._cancelled_at.pop(batch.id, None)
         if self.store.batches.close(ended):
             log.info("batch ended", extra={"batch_id": batch.id, "status": status})
@@ -366,7 +365,7 @@ class BatchFeeder:
         cancel_inflight(self.store, self.app, batch)
         now = int(time.time())
         errors = BatchErrors(data=[BatchError(code="batch_failed", message=reason)])
-        failed = batch_lifecycle.move(
+        failed = lifecycle.move_batch(
             batch, BatchStatus.FAILED, now, errors=errors, **self._result_files(batch, now)
         )
         self._cancelled_at.pop(batch.id, None)

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from exo_tasks import json_input
-from exo_tasks.batch.types import BatchError
+from exo_tasks.batch_types import BatchError
 from exo_tasks.errors import ExoError
 
 # An input with many bad lines reports the first ones only.

@@ -8,7 +8,7 @@ import contextlib
 from celery import Celery
 
 from exo_tasks import jobs
-from exo_tasks.batch.types import Batch
+from exo_tasks.batch_types import Batch
 from exo_tasks.errors import ExoError
 from exo_tasks.store import Store
 

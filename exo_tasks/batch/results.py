@@ -9,7 +9,7 @@ from typing import Any
 
 from exo_tasks import errors
 from exo_tasks.batch.jobs import line_job_id
-from exo_tasks.batch.types import Batch, BatchStatus, LineError, LineResponse, ResultLine
+from exo_tasks.batch_types import Batch, BatchStatus, LineError, LineResponse, ResultLine
 from exo_tasks.openai_render import ChatRenderer, Renderer, TextRenderer, failure
 from exo_tasks.openai_types import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from exo_tasks.types import JobRecord, JobStatus

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from config.settings import Settings
-from exo_tasks.batch.types import BATCH_ENDED
+from exo_tasks.batch_types import BATCH_ENDED
 from exo_tasks.cli.client import ApiClient
 from exo_tasks.cli.table import listing, timestamp
 from exo_tasks.errors import ExoError

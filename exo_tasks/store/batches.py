@@ -8,8 +8,8 @@ killed goes over the same line again, the line has one result and is counted onc
 
 from __future__ import annotations
 
-from exo_tasks.batch.lifecycle import BatchMove
-from exo_tasks.batch.types import Batch, RequestCounts
+from exo_tasks.batch_types import Batch, RequestCounts
+from exo_tasks.lifecycle import BatchMove
 from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
 from exo_tasks.store.keys import BATCHES, BATCHES_OPEN, batch_key, file_key
 
@@ -70,7 +70,7 @@ class BatchRecords(RedisPart):
         return [b for b in (self.get(i) for i in ids) if b is not None], more
 
     def move(self, move: BatchMove) -> bool:
-        """Execute one of exo_tasks.batch.lifecycle's moves; whether it was written."""
+        """Execute one of exo_tasks.lifecycle's batch moves; whether it was written."""
         batch = move.batch
         args = named(
             status=batch.status,

@@ -3,7 +3,7 @@ the metadata in a hash, the bytes in a string beside it, the ids in a list by cr
 
 from __future__ import annotations
 
-from exo_tasks.batch.types import FileObject
+from exo_tasks.batch_types import FileObject
 from exo_tasks.store.client import RedisPart
 from exo_tasks.store.keys import FILES, file_key
 

@@ -215,7 +215,9 @@ class RunnerSupervisor:
         log.warning("runner restarts soon", extra={"runner": runner_id, "in_s": delay})
 
     def _record_stop(self, handle: RunnerHandle, stop: StopRunner, cause: str) -> None:
-        """An intended stop: exit 0 after `Shutdown` is clean; anything else is a failure."""
+        """An intended stop stays one, however the process ended: `Shutdown`, and only a load
+        brings it back (jobs pinned to this host wait for it). Exit 0 after `Shutdown` is clean;
+        any other exit (it needed the escalation, or crashed on its way out) is its `error`."""
         runner_id = handle.spec.runner_id
         last = self.store.runners.get(runner_id)
         clean = cause == "exitcode=0" and last is not None and last.status == RunnerStatus.SHUTDOWN
@@ -224,7 +226,7 @@ class RunnerSupervisor:
         else:
             self.store.runners.fail_jobs(runner_id, f"runner {runner_id} stopped: {cause}")
         if not clean:
-            self._publish(handle, last, RunnerStatus.FAILED, cause)
+            self._publish(handle, last, RunnerStatus.SHUTDOWN, cause)
         log.info("runner stopped", extra={"runner": runner_id, "cause": cause, "clean": clean})
 
     def _restart_due(self) -> None:

@@ -1,4 +1,4 @@
-"""The batch's state machine as data (exo_tasks.batch.lifecycle.BATCH_TRANSITIONS), walked: every
+"""The batch's state machine as data (exo_tasks.lifecycle.BATCH_TRANSITIONS), walked: every
 status reachable from a new batch, an ended batch never leaving its ending, every move the table
 has accepted from the status the feeder saw, and every other refused (nothing the store's
 compare-and-set can match) and logged, never raised."""
@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from exo_tasks.batch import lifecycle
-from exo_tasks.batch.lifecycle import BATCH_TRANSITIONS
-from exo_tasks.batch.types import BATCH_ENDED, Batch, BatchStatus
+from exo_tasks import lifecycle
+from exo_tasks.batch_types import BATCH_ENDED, Batch, BatchStatus
+from exo_tasks.lifecycle import BATCH_TRANSITIONS
 from tests.unit.tables import reachable
 
 BS = BatchStatus
@@ -48,7 +48,7 @@ def test_an_ended_batch_never_leaves_its_ending() -> None:
 def test_every_move_in_the_table_is_accepted_from_the_status_seen(
     current: BatchStatus, to: BatchStatus
 ) -> None:
-    move = lifecycle.move(batch(current), to, 7, metadata={"k": "v"})
+    move = lifecycle.move_batch(batch(current), to, 7, metadata={"k": "v"})
     assert move.allowed_from == (current,)
     assert move.batch.status == to and getattr(move.batch, f"{to}_at") == 7
     assert move.batch.metadata == {"k": "v"}
@@ -58,8 +58,8 @@ def test_every_move_in_the_table_is_accepted_from_the_status_seen(
 def test_every_other_move_is_refused_and_logged(
     current: BatchStatus, to: BatchStatus, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="exo_tasks.batches"):
-        move = lifecycle.move(batch(current), to, 7)
+    with caplog.at_level(logging.ERROR, logger="exo_tasks.lifecycle"):
+        move = lifecycle.move_batch(batch(current), to, 7)
     assert move.allowed_from == ()
     assert [r.getMessage() for r in caplog.records] == ["batch status change refused"]
 
@@ -68,6 +68,6 @@ def test_the_apis_cancel_matches_any_status_the_table_cancels_from() -> None:
     expected = tuple(s for s in BS if BS.CANCELLING in BATCH_TRANSITIONS[s])
     assert expected == (BS.VALIDATING, BS.IN_PROGRESS)
     for status in expected:
-        move = lifecycle.cancel(batch(status), 9)
+        move = lifecycle.cancel_batch(batch(status), 9)
         assert move.allowed_from == expected
         assert move.batch.status == BS.CANCELLING and move.batch.cancelling_at == 9

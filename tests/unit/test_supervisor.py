@@ -163,9 +163,21 @@ class TestEscalation:
         assert cause == "Terminated (signal 15 SIGTERM)"
         [(signum, at)] = host.stopped_at
         assert signum == SIGTERM and at - asked_at == pytest.approx(10.0)
-        # Not the stop it was asked for: a failure, its jobs failed with it.
-        assert store.runners.states[RUNNER_ID].status == RS.FAILED
+        # Still the stop it was asked for: shut down, with the exit cause; its jobs failed.
+        stopped = store.runners.states[RUNNER_ID]
+        assert (stopped.status, stopped.error) == (RS.SHUTDOWN, cause)
         assert store.runners.failed_jobs == [(RUNNER_ID, f"runner {RUNNER_ID} stopped: {cause}")]
+
+    def test_a_runner_that_said_shutdown_but_outlived_the_grace_stays_shut_down(
+        self, supervisor: RunnerSupervisor, host: Host, store: FakeStore
+    ) -> None:
+        # As under load: it ends its jobs and says Shutdown, then exits too slowly.
+        store.runners.on_send = lambda runner_id, command: runner_says(store, RS.SHUTDOWN)
+        cause = supervisor.stop_runner(RUNNER_ID, StopRunner(mode="hard"), 1.0, on_purpose=True)
+        assert cause == "Terminated (signal 15 SIGTERM)"
+        stopped = store.runners.states[RUNNER_ID]
+        assert (stopped.status, stopped.error) == (RS.SHUTDOWN, cause)
+        assert stopped.is_down and supervisor.handles[RUNNER_ID].restart_at is None
 
     def test_a_runner_that_ignores_sigterm_gets_sigkill_after_term_wait_s(
         self, supervisor: RunnerSupervisor, host: Host, clock: FakeClock

@@ -16,7 +16,7 @@ BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
 
 class BatchStatus(enum.StrEnum):
     """A batch's status, as OpenAI names it. Which status may follow which is
-    exo_tasks.batch.lifecycle's transitions table."""
+    exo_tasks.lifecycle's BATCH_TRANSITIONS."""
 
     VALIDATING = "validating"
     FAILED = "failed"
