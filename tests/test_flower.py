@@ -20,8 +20,8 @@ import requests
 from celery import states
 from celery.result import AsyncResult
 
-from tests.conftest import LONG, Stack, TwoHosts, wait_tokens
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
+from tests.support.stack import LONG, Stack, TwoHosts, wait_tokens
 from tests.support.workers import runner_state
 
 AUTH = ("admin", "s3cret")

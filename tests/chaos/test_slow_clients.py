@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import Stack
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_http
+from tests.support.stack import Stack
 
 STALLED = 150  # the reported attack: 100 s of /healthz timeouts with gunicorn's own gthread
 HEADER_TIMEOUT_S = 2
