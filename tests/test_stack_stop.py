@@ -189,8 +189,8 @@ def test_up_refuses_a_taken_port_naming_its_holder(local_stack: LocalStack) -> N
     port = local_stack.env["EXO_API_PORT"]
     # The holder named by its pid and its command line: this test's process, pytest's or a
     # pytest-xdist worker's.
-    holder = f"pid {psutil.Process().pid}: {shlex.join(psutil.Process().cmdline())}"
-    assert f"port {port} (EXO_API_PORT) is taken by {holder}" in result.stderr
+    named = f"pid {psutil.Process().pid}: {shlex.join(psutil.Process().cmdline())}"
+    assert f"port {port} (EXO_API_PORT) is taken by {named}" in result.stderr
     assert "exo-tasks down" in result.stderr
 
 

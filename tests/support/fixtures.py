@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from tests.support.api import api_settings, serving
 from tests.support.instances import Pair, running_pair
 from tests.support.launcher import LocalStack, launcher_env
 from tests.support.processes import Processes, RedisServer, start_redis
+from tests.support.report import Report
 from tests.support.stack import Stack, TwoHosts
 from tests.support.workers import start_worker, wait_runner_ready
 
@@ -140,3 +142,31 @@ def local_stack(processes: Processes, tmp_path: Path) -> Iterator[LocalStack]:
     yield stack
     if stack.terminal is not None:
         stack.terminal.close()
+
+
+# The chaos suite's report, for the whole run: under pytest-xdist each worker's session sends
+# its cases to the controller, which writes them all once every worker is done.
+RUN_REPORT = Report()
+
+
+@pytest.fixture(scope="session")
+def reliability(request: pytest.FixtureRequest) -> Iterator[Report]:
+    """The chaos cases of this session, written to tests.support.report.REPORT (untracked;
+    `make reliability-report` publishes it)."""
+    report = Report()
+    yield report
+    workeroutput = getattr(request.config, "workeroutput", None)
+    if workeroutput is None:
+        report.write()
+    else:
+        workeroutput["reliability"] = report.as_data()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    RUN_REPORT.extend(getattr(node, "workeroutput", {}).get("reliability", []))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workeroutput"):  # the controller (or a run without xdist)
+        RUN_REPORT.write()
