@@ -68,6 +68,15 @@ def processes() -> Iterator[Processes]:
     processes.stop_all()
 
 
+@pytest.fixture(scope="module")
+def module_processes() -> Iterator[Processes]:
+    """Processes a module shares between its tests (none of which changes them); all stopped
+    by PID at the module's end."""
+    processes = Processes()
+    yield processes
+    processes.stop_all()
+
+
 @pytest.fixture(scope="session")
 def redis_server(
     session_processes: Processes, tmp_path_factory: pytest.TempPathFactory
