@@ -26,8 +26,12 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
+# Two pytest processes (CI has two cores), each taking whole modules, so a module's fixtures
+# start once; each process runs its own Redis and stack. TEST_WORKERS=0 runs them in one.
+TEST_WORKERS ?= 2
+
 test: lint typecheck
-	$(BIN)/pytest -q -ra --durations=10
+	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile
 
 # The chaos suite writes its report to var/reports/ on every run; publish the last one.
 reliability-report:

@@ -4,12 +4,12 @@ prompt tokens included."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench.clients import REQUEST_ERRORS, Connection, Trace, _lines
+from tests.support import sse
 
 
 @dataclass
@@ -36,11 +36,8 @@ class ChatClient:
             response = self.http.open("POST", "/v1/chat/completions", body)
             if response.status != 200:
                 raise RuntimeError(f"POST /v1/chat/completions: {response.status}")
-            for line in _lines(response):
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    self._chunk(trace, json.loads(line.removeprefix("data: ")))
-                elif line == "data: [DONE]":
-                    break
+            for chunk in sse.chunks(_lines(response)):
+                self._chunk(trace, chunk)
             response.read()
             if trace.ended is None:
                 raise RuntimeError("the stream ended before the completion did")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from tests.support import sse
+
 TIMEOUT_S = 300.0
 # What a request can fail with; it is recorded on its trace and counted, never raised.
 REQUEST_ERRORS = (OSError, http.client.HTTPException, ValueError, KeyError, RuntimeError)
@@ -84,15 +86,12 @@ class ExoClient:
             if created.status != 202:
                 raise RuntimeError(f"POST /v1/jobs: {created.status} {reply}")
             stream = self.http.open("GET", f"/v1/jobs/{reply['id']}/stream")
-            event = ""
-            for line in _lines(stream):
-                if line.startswith("event: "):
-                    event = line.removeprefix("event: ")
-                elif line.startswith("data: ") and event == "token":
+            for event in sse.events(_lines(stream)):
+                if event["event"] == "token":
                     trace.token_times.append(time.monotonic())
-                elif line.startswith("data: ") and event in ("done", "error"):
+                elif event["event"] in ("done", "error"):
                     trace.ended = time.monotonic()
-                    job = json.loads(line.removeprefix("data: "))
+                    job = event["data"]
                     trace.completion_tokens = job["usage"]["completion_tokens"]
                     if job["status"] != "succeeded":
                         trace.error = f"job {job['status']}: {job['error']}"
@@ -127,13 +126,7 @@ class MlxServerClient:
             response = self.http.open("POST", "/v1/completions", body)
             if response.status != 200:
                 raise RuntimeError(f"POST /v1/completions: {response.status}")
-            for line in _lines(response):
-                if not line.startswith("data: "):
-                    continue
-                data = line.removeprefix("data: ")
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in sse.chunks(_lines(response)):
                 if chunk.get("usage"):
                     trace.ended = time.monotonic()
                     trace.completion_tokens = chunk["usage"]["completion_tokens"]

@@ -38,12 +38,12 @@ class Feeding:
 
 @pytest.fixture(scope="module")
 def feeding(
-    session_processes: Processes, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    module_processes: Processes, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Feeding]:
     data_dir = tmp_path_factory.mktemp("batch-hostile")
-    redis = start_redis(session_processes, data_dir / "redis")
+    redis = start_redis(module_processes, data_dir / "redis")
     store = Store.from_url(redis.url)
-    worker = new_worker(session_processes, redis.url, store, "bh-1", [tiny_model], data_dir)
+    worker = new_worker(module_processes, redis.url, store, "bh-1", [tiny_model], data_dir)
     with serving(api_settings(redis.url, [tiny_model])) as api, client_for(api) as client:
         yield Feeding(api, client, store, worker)
 

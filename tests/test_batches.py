@@ -12,7 +12,6 @@ import openai
 import pytest
 import requests
 
-from tests.conftest import Stack
 from tests.support.api import api_settings, serving
 from tests.support.batches import (
     CHAT_URL,
@@ -23,6 +22,7 @@ from tests.support.batches import (
     wait_status,
 )
 from tests.support.clients import client_for
+from tests.support.stack import Stack
 
 ENDED = {"completed", "failed", "cancelled", "expired"}
 # What differs between two answers to the same request, as between two of OpenAI's own.

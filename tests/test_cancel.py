@@ -14,9 +14,10 @@ import openai
 import requests
 
 from exo_tasks.types import DoneEvent
-from tests.conftest import LONG, Stack, new_worker, runner_state, wait_tokens
 from tests.support.clients import CHAT, HOST_A, client_for, job_of
 from tests.support.processes import Processes, wait_until
+from tests.support.stack import LONG, Stack, new_worker, wait_tokens
+from tests.support.workers import runner_state
 
 
 def cancel(stack: Stack, job_id: str) -> requests.Response:

@@ -12,8 +12,9 @@ import psutil
 import requests
 
 from config.settings import DEFAULT_PRESET
-from tests.conftest import Stack
-from tests.support.processes import EXO_TASKS, Processes, free_port, has_exited, wait_until
+from tests.support.launcher import LocalStack
+from tests.support.processes import EXO_TASKS, has_exited, wait_until
+from tests.support.stack import Stack
 
 
 def test_model_create_writes_a_loadable_model(tmp_path: Path) -> None:
@@ -55,34 +56,11 @@ def test_submit_streams_tokens_to_stdout(stack: Stack) -> None:
     assert "[succeeded: length]" in result.stderr
 
 
-def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
-    processes: Processes, tmp_path: Path
-) -> None:
-    ports = {
-        "EXO_API_PORT": free_port(),
-        "EXO_FLOWER_PORT": free_port(),
-        "EXO_REDIS_PORT": free_port(),
-    }
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("EXO_")},
-        **{k: str(v) for k, v in ports.items()},
-        "EXO_DATA_DIR": str(tmp_path / "var"),
-        "EXO_HOSTNAME": "up-host",
-        "EXO_WORKER_CONCURRENCY": "2",
-        "EXO_API_WORKERS": "1",
-    }
-    launcher = processes.start([EXO_TASKS, "up"], env, tmp_path / "up.log")
-    api = f"http://127.0.0.1:{ports['EXO_API_PORT']}"
-
-    def ready() -> bool:
-        assert launcher.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-        try:
-            return requests.get(f"{api}/readyz", timeout=1).status_code == 200
-        except (requests.ConnectionError, requests.Timeout):  # not up, or still starting
-            return False
-
-    wait_until(ready, 90, "the stack's /readyz", interval_s=0.5)
-    assert (tmp_path / "var" / "models" / DEFAULT_PRESET / "config.json").is_file()
+def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(local_stack: LocalStack) -> None:
+    local_stack.env.update(EXO_HOSTNAME="up-host", EXO_WORKER_CONCURRENCY="2")
+    launcher = local_stack.up()
+    api, var = local_stack.api, local_stack.data_dir
+    assert (var / "models" / DEFAULT_PRESET / "config.json").is_file()
     job_id = requests.post(
         f"{api}/v1/jobs", json={"prompt": "hi", "max_tokens": 8}, timeout=5
     ).json()["id"]
@@ -91,9 +69,9 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
         30,
         "the job",
     )
-    flower = f"http://127.0.0.1:{ports['EXO_FLOWER_PORT']}/healthcheck"
+    flower = f"http://127.0.0.1:{local_stack.env['EXO_FLOWER_PORT']}/healthcheck"
     wait_until(lambda: _answers(flower), 30, "Flower")
-    assert list((tmp_path / "var" / "redis").glob("appendonly*")), "AOF persistence is on"
+    assert list((var / "redis").glob("appendonly*")), "AOF persistence is on"
 
     everything = [launcher.pid, *(c.pid for c in psutil.Process(launcher.pid).children(True))]
     assert len(everything) >= 6  # launcher, redis, api (2), worker + pool + runner, flower
@@ -109,7 +87,7 @@ def test_up_runs_the_whole_stack_and_ctrl_c_stops_all_of_it(
     # Nothing in the stack's output that reads like trouble when there is none: gevent's
     # warning about ssl at each API worker's start, Flower's inspections before any worker was
     # up.
-    output = (tmp_path / "up.log").read_text()
+    output = local_stack.log_text()
     assert "MonkeyPatchWarning" not in output and "Inspect method" not in output
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import Stack
 from tests.support.batches import chat_line, jsonl
-from tests.test_cli_client import UTC_TIME, exo_tasks, rows
+from tests.support.cli import UTC_TIME, exo_tasks, rows
+from tests.support.stack import Stack
 
 
 def test_submit_wait_then_list_status_and_results(stack: Stack, tmp_path: Path) -> None:

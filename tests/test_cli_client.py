@@ -4,7 +4,6 @@ the jobs/runners/hosts tables, cancel and shutdown."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,34 +11,20 @@ from typing import Any
 import pytest
 
 from exo_tasks.types import JobRequest
-from tests.conftest import LONG, Stack, wait_tokens
 from tests.support.api import Api, api_settings, serving
+from tests.support.cli import UTC_TIME, exo_tasks, rows, run_cli
 from tests.support.held_hosts import held_hosts
 from tests.support.processes import (
-    EXO_TASKS,
     Processes,
     exo_env,
     free_port,
     start_redis,
     wait_until,
 )
+from tests.support.stack import LONG, Stack, wait_tokens
 from tests.support.workers import start_worker, wait_runner_ready
 
 TOKEN = "cli-token"
-# Every time the CLI prints: UTC, to the second, saying so.
-UTC_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
-
-
-def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([EXO_TASKS, *args], env=env, capture_output=True, text=True, timeout=60)
-
-
-def exo_tasks(api: Api, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-    return run_cli(exo_env(api_url=api.url, **({"api_token": token} if token else {})), *args)
-
-
-def rows(table: str) -> list[list[str]]:
-    return [line.split() for line in table.strip().splitlines()]
 
 
 def test_submit_quiet_shows_a_progress_bar_then_the_text(stack: Stack) -> None:

@@ -16,9 +16,9 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI, OpenAI
 
-from tests.conftest import Stack
 from tests.support.clients import CHAT, HOST_A, client_for, job_of
 from tests.support.processes import Processes
+from tests.support.stack import Stack
 from tests.support.toolmodel import CALL, create_tool_model
 from tests.support.workers import new_worker
 

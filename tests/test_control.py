@@ -10,10 +10,10 @@ import signal
 import time
 from pathlib import Path
 
-from tests.conftest import Stack, api_settings, new_worker, runner_state, wait_runner, wait_tokens
-from tests.support.api import Api
+from tests.support.api import Api, api_settings
 from tests.support.processes import Processes, wait_until
-from tests.support.workers import Worker
+from tests.support.stack import Stack, new_worker, wait_tokens
+from tests.support.workers import Worker, runner_state, wait_runner
 
 LONG = {"prompt": "x", "max_tokens": 4096, "ignore_eos": True}
 

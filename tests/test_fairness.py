@@ -11,8 +11,8 @@ from typing import Any
 import requests
 
 from config.settings import Settings
-from tests.conftest import Stack
 from tests.support.processes import wait_until
+from tests.support.stack import Stack
 
 QUOTA: int = Settings.model_fields["max_queued_jobs_per_client"].default  # the user's default
 BACKLOG = 400

@@ -16,10 +16,10 @@ from exo_tasks.naming import host_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.store import job_key
 from exo_tasks.types import JobRecord, JobRequest
-from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api, api_settings, serving
 from tests.support.metrics import Samples, scrape, value
 from tests.support.processes import Processes, wait_until
+from tests.support.stack import Stack, TwoHosts
 from tests.support.workers import (
     Worker,
     new_worker,

@@ -21,8 +21,8 @@ from celery import states
 from celery.result import AsyncResult
 
 from exo_tasks.naming import host_queue
-from tests.conftest import LONG, Stack, TwoHosts, new_worker, wait_tokens
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
+from tests.support.stack import LONG, Stack, TwoHosts, new_worker, wait_tokens
 from tests.support.workers import runner_state
 
 AUTH = ("admin", "s3cret")

@@ -27,7 +27,6 @@ from exo_tasks.api.arrivals import MAX_WAIT_S
 from exo_tasks.api.streams import EventHub, StreamOverflow
 from exo_tasks.store import Store, connect, events_key
 from exo_tasks.types import JobRecord, JobRequest, TokenEvent
-from tests.conftest import Stack
 from tests.support.clients import HOST_A
 from tests.support.processes import (
     EXO_TASKS,
@@ -39,6 +38,7 @@ from tests.support.processes import (
     wait_http,
     wait_until,
 )
+from tests.support.stack import Stack
 
 STREAMS = 300  # a few hundred: `make bench` opens thousands
 JOBS = 3

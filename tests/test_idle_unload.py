@@ -11,8 +11,8 @@ import psutil
 
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner.keep_alive import KeepAlive
-from tests.conftest import Stack
 from tests.support.processes import Processes, wait_until
+from tests.support.stack import Stack
 from tests.support.workers import new_worker, runner_state, wait_runner
 
 

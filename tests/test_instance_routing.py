@@ -21,10 +21,10 @@ from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.naming import instance_queue, instance_runner_id, model_queue, runner_id_for
 from exo_tasks.store import Store, job_key
-from tests.conftest import Stack, TwoHosts
 from tests.support.api import Api
 from tests.support.held_hosts import held_hosts, held_incarnation, held_runner, move_instance
 from tests.support.metrics import scrape, value
+from tests.support.stack import Stack, TwoHosts
 
 HELD = ("held-a", "held-b")
 JOB = {"prompt": "hi", "max_tokens": 4}

@@ -16,10 +16,10 @@ from exo_tasks import instance_service
 from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.naming import instance_queue
 from exo_tasks.store import Store
-from tests.conftest import Stack, TwoHosts, new_worker
 from tests.support.api import Api, api_settings
 from tests.support.held_hosts import held_hosts, move_instance
 from tests.support.processes import Processes
+from tests.support.stack import Stack, TwoHosts, new_worker
 
 XY = ["fleet-x", "fleet-y"]
 

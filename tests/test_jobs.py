@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Stack
 from tests.support import sse
+from tests.support.stack import Stack
 
 PROMPTS = ["hello", "The quick brown fox", "a", "1234", "Once upon a time", "xyz", "Q:", "tea"]
 

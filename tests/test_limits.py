@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Stack
 from tests.support.api import Api, api_settings, serving
+from tests.support.stack import Stack
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exo_tasks.modelgen import create_model
 from exo_tasks.store import Store
-from tests.conftest import Stack
 from tests.support.metrics import Samples, parse, scrape, value
 from tests.support.processes import (
     EXO_TASKS,
@@ -27,6 +26,7 @@ from tests.support.processes import (
     wait_http,
     wait_until,
 )
+from tests.support.stack import Stack
 from tests.support.workers import Worker, start_worker, wait_runner_ready
 
 HISTOGRAMS = (

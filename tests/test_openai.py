@@ -13,9 +13,9 @@ import openai
 import pytest
 from openai.types import Completion
 
-from tests.conftest import Stack, new_worker, wait_tokens
 from tests.support.clients import CHAT, HOST_A, client_for, job_of
 from tests.support.processes import Processes, wait_until
+from tests.support.stack import Stack, new_worker, wait_tokens
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 from openapi_spec_validator import validate
 
 from exo_tasks.types import JobRequest
-from tests.conftest import Stack
 from tests.support.api import api_settings, serving
+from tests.support.stack import Stack
 
 METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 

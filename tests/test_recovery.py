@@ -25,9 +25,9 @@ from exo_tasks.fleet_types import HostState
 from exo_tasks.naming import host_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S, Recovery
 from exo_tasks.types import JobRecord, JobRequest, utcnow
-from tests.conftest import Stack, new_worker, runner_state, wait_tokens
 from tests.support.processes import Processes, wait_until
-from tests.support.workers import Worker
+from tests.support.stack import Stack, new_worker, wait_tokens
+from tests.support.workers import Worker, runner_state
 
 # A job long enough to be in flight when the worker dies, short enough to finish quickly after.
 MEDIUM = {"prompt": "medium", "max_tokens": 600, "ignore_eos": True}

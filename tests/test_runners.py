@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
-from tests.conftest import Stack
 from tests.support.api import api_settings, serving
 from tests.support.processes import Processes, free_port
+from tests.support.stack import Stack
 from tests.support.workers import start_worker, wait_runner_ready
 
 

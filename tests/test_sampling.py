@@ -15,8 +15,8 @@ from exo_tasks.runner.engine import BatchEngine
 from exo_tasks.runner.toolcalls import ToolCallSplitter
 from exo_tasks.types import ChatMessage, SamplingParams
 from exo_tasks.wire import Tool
+from tests.support.engine import Run
 from tests.support.toolmodel import CALL, create_tool_model
-from tests.test_engine import Run
 
 PROMPT = "The quick brown fox"
 # Settings that each change the greedy text of PROMPT (checked below), one per job.

@@ -20,16 +20,10 @@ from config.settings import Settings
 from exo_tasks.commands import SubmitJob
 from exo_tasks.naming import runner_id_for
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
-from tests.conftest import (
-    LONG,
-    Stack,
-    new_worker,
-    runner_state,
-    wait_runner,
-    wait_tokens,
-)
 from tests.support.api import api_settings, serving
 from tests.support.processes import Processes, has_exited, wait_until
+from tests.support.stack import LONG, Stack, new_worker, wait_tokens
+from tests.support.workers import runner_state, wait_runner
 
 
 def test_idle_warm_shutdown_is_done_within_2s_and_load_starts_it_again(

@@ -8,21 +8,15 @@ Every stop must leave no process behind and lose no job: jobs in flight go back 
 
 from __future__ import annotations
 
-import fcntl
 import os
-import pty
-import select
+import shlex
 import signal
 import socket
 import subprocess
 import sys
-import termios
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -33,140 +27,15 @@ from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
 from exo_tasks.store import Store
 from exo_tasks.types import model_queue, runner_id_for
+from tests.support.launcher import HOST, JOBS, LONG_JOB, LocalStack
 from tests.support.processes import (
     EXO_TASKS,
     Processes,
     RedisServer,
-    embedded_redis_url,
-    exo_env,
-    free_port,
     start_redis,
-    wait_http,
     wait_until,
 )
 from tests.support.workers import start_worker
-
-HOST = "stack-host"
-LONG = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
-JOBS = 4
-
-
-@dataclass
-class LocalStack:
-    """A stack run by `exo-tasks up` (or honcho) from its own data dir and ports."""
-
-    processes: Processes
-    data_dir: Path
-    env: dict[str, str]
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.env['EXO_API_PORT']}"
-
-    @property
-    def redis_port(self) -> int:
-        return int(self.env["EXO_REDIS_PORT"])
-
-    def start(
-        self, argv: list[str], ready: str = "/readyz", cwd: Path | None = None
-    ) -> subprocess.Popen[bytes]:
-        self.process = self.processes.start(argv, self.env, self.log_path, cwd)
-        wait_http(self.api + ready, self.process, self.log_path, timeout_s=90)
-        return self.process
-
-    def up(self) -> subprocess.Popen[bytes]:
-        return self.start([EXO_TASKS, "up"])
-
-    def up_in_terminal(self) -> Terminal:
-        """`exo-tasks up` as in a terminal: a pty is its controlling terminal."""
-        terminal = Terminal(self.log_path)
-        self.process = subprocess.Popen(
-            [EXO_TASKS, "up"],
-            env=self.env,
-            stdin=terminal.slave,
-            stdout=terminal.slave,
-            stderr=terminal.slave,
-            start_new_session=True,
-            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
-        )
-        self.processes.started.append(self.process)
-        os.close(terminal.slave)
-        wait_http(self.api + "/readyz", self.process, self.log_path, timeout_s=90)
-        return terminal
-
-    def store(self) -> Store:
-        return Store.from_url(embedded_redis_url(self.data_dir / "redis", self.redis_port))
-
-    def submit_long_jobs(self) -> list[str]:
-        """JOBS long jobs, returned once every one streams tokens."""
-        ids = [
-            requests.post(f"{self.api}/v1/jobs", json=LONG, timeout=10).json()["id"]
-            for _ in range(JOBS)
-        ]
-        store = self.store()
-        wait_until(
-            lambda: all(store.jobs.streamed_text(j)[1] >= 3 for j in ids), 20, "tokens of every job"
-        )
-        return ids
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        job: dict[str, Any] = requests.get(f"{self.api}/v1/jobs/{job_id}", timeout=5).json()
-        return job
-
-    def tree(self) -> list[psutil.Process]:
-        """The launcher and every process under it, taken before a stop."""
-        assert self.process is not None
-        root = psutil.Process(self.process.pid)
-        tree = [root, *root.children(recursive=True)]
-        self.processes.extra_pids.update(p.pid for p in tree)  # stopped at teardown, orphans too
-        return tree
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-class Terminal:
-    """A pseudo-terminal whose output is copied to a log until it is closed."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.master, self.slave = pty.openpty()
-        self.closing = threading.Event()
-        self.reader = threading.Thread(target=self._copy, args=(log_path,), daemon=True)
-        self.reader.start()
-
-    def _copy(self, log_path: Path) -> None:
-        with log_path.open("ab") as log:
-            while not self.closing.is_set():
-                if select.select([self.master], [], [], 0.1)[0]:
-                    try:
-                        log.write(os.read(self.master, 65536))
-                    except OSError:  # EIO: no process has the terminal open any more
-                        return
-                    log.flush()
-
-    def close(self) -> None:
-        """As when its window is closed: the session leader gets SIGHUP, writes get EIO."""
-        self.closing.set()
-        self.reader.join(timeout=2)
-        os.close(self.master)
-
-
-@pytest.fixture
-def local_stack(processes: Processes, tmp_path: Path) -> LocalStack:
-    data_dir = tmp_path / "var"
-    env = exo_env(
-        api_port=free_port(),
-        flower_port=free_port(),
-        redis_port=free_port(),
-        data_dir=data_dir,
-        hostname=HOST,
-        worker_concurrency=8,
-        api_workers=1,
-    )
-    env["PYTHONUNBUFFERED"] = "1"
-    return LocalStack(processes, data_dir, env, tmp_path / "stack.log")
 
 
 def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -245,7 +114,7 @@ def test_ctrl_c_requeues_jobs_in_flight_a_restart_runs_them_and_down_stops_it(
         lambda: all(local_stack.job(j)["status"] == "succeeded" for j in ids), 60, "every job"
     )
     for job_id in ids:
-        assert local_stack.job(job_id)["usage"]["completion_tokens"] == LONG["max_tokens"]
+        assert local_stack.job(job_id)["usage"]["completion_tokens"] == LONG_JOB["max_tokens"]
 
     tree = local_stack.tree()
     down = subprocess.run(
@@ -318,8 +187,11 @@ def test_up_refuses_a_taken_port_naming_its_holder(local_stack: LocalStack) -> N
         )
     assert result.returncode == 2
     port = local_stack.env["EXO_API_PORT"]
-    assert f"port {port} (EXO_API_PORT) is taken by pid {psutil.Process().pid}" in result.stderr
-    assert "pytest" in result.stderr and "exo-tasks down" in result.stderr
+    # The holder named by its pid and its command line: this test's process, pytest's or a
+    # pytest-xdist worker's.
+    named = f"pid {psutil.Process().pid}: {shlex.join(psutil.Process().cmdline())}"
+    assert f"port {port} (EXO_API_PORT) is taken by {named}" in result.stderr
+    assert "exo-tasks down" in result.stderr
 
 
 def test_a_host_shutdown_stops_only_the_worker(local_stack: LocalStack) -> None:

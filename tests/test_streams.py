@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.conftest import Stack
 from tests.support import sse
 from tests.support.clients import HOST_A
+from tests.support.stack import Stack
 
 
 def test_a_client_that_connects_after_the_job_finished_gets_the_whole_stream(

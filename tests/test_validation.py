@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from exo_tasks.api import create_app
 from exo_tasks.api.models import SUMMARY_TEXT_CHARS, JobOptions, JobSummary
 from exo_tasks.types import JobRecord, JobRequest
-from tests.conftest import Stack
 from tests.support.api import api_settings, serving
 from tests.support.processes import free_port
+from tests.support.stack import Stack
 
 BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({}, ""),  # neither prompt nor messages

@@ -34,14 +34,14 @@ class Fuzzed:
 
 @pytest.fixture(scope="module")
 def fuzzed(
-    session_processes: Processes,
+    module_processes: Processes,
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
     reliability: Report,
 ) -> Iterator[Fuzzed]:
     data_dir = tmp_path_factory.mktemp("fuzz")
-    redis = start_redis(session_processes, data_dir / "redis")
-    worker = start_worker(session_processes, redis.url, "fuzz-host", [tiny_model], data_dir)
+    redis = start_redis(module_processes, data_dir / "redis")
+    worker = start_worker(module_processes, redis.url, "fuzz-host", [tiny_model], data_dir)
     wait_runner_ready(Store.from_url(redis.url), worker)
     # Small caps keep generated jobs short; short limits bound a request that waits on a job.
     with serving(

@@ -26,10 +26,11 @@ from exo_tasks.runner.loop import Runner
 from exo_tasks.runner.process import RunnerProgress, RunnerSpec
 from exo_tasks.store import events_key, job_key, redis_waits, runner_key
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
-from tests.conftest import Stack, runner_state
 from tests.support.api import Api, api_settings, serving
 from tests.support.processes import Processes, start_redis, wait_until
 from tests.support.report import Case, Report
+from tests.support.stack import Stack
+from tests.support.workers import runner_state
 
 JSON = {"Content-Type": "application/json"}
 RUNNER = "tiny@host-a"

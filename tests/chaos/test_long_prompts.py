@@ -9,8 +9,9 @@ import signal
 import time
 from pathlib import Path
 
-from tests.conftest import Stack, new_worker, runner_state, wait_runner
 from tests.support.processes import Processes, wait_until
+from tests.support.stack import Stack, new_worker
+from tests.support.workers import runner_state, wait_runner
 
 PREFILL_TIMEOUT_S = 2
 # About 7,900 tokens with the tiny model's character tokenizer (the cap is 8,192): 3-10 s of

@@ -21,10 +21,11 @@ import pytest
 import requests
 
 from exo_tasks.fleet_types import RunnerState
-from tests.conftest import Stack, runner_state
 from tests.support import sse
 from tests.support.api import Api, api_settings, serving
 from tests.support.processes import wait_until
+from tests.support.stack import Stack
+from tests.support.workers import runner_state
 
 CAP_ERROR = "at most 8192 (EXO_MAX_PROMPT_TOKENS)"
 # 100,000 characters: EXO_MAX_PROMPT_CHARS, about 12 times the token cap with any tokenizer.

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import Stack
 from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_http
+from tests.support.stack import Stack
 
 STALLED = 150  # the reported attack: 100 s of /healthz timeouts with gunicorn's own gthread
 HEADER_TIMEOUT_S = 2
@@ -40,8 +40,13 @@ class Gunicorn:
         return socket.create_connection(("127.0.0.1", self.port), timeout=5)
 
 
-@pytest.fixture
-def gunicorn(stack: Stack, processes: Processes, tmp_path: Path) -> Gunicorn:
+@pytest.fixture(scope="module")
+def gunicorn(
+    stack: Stack, module_processes: Processes, tmp_path_factory: pytest.TempPathFactory
+) -> Gunicorn:
+    """One `exo-tasks api` for the module: every test closes the connections it opened, so
+    none leaves the server otherwise than it found it."""
+    tmp_path = tmp_path_factory.mktemp("gunicorn")
     port = free_port()
     env = exo_env(
         redis_url=stack.redis.url,
@@ -51,7 +56,7 @@ def gunicorn(stack: Stack, processes: Processes, tmp_path: Path) -> Gunicorn:
         api_body_timeout_s=BODY_TIMEOUT_S,
     )
     log_path = tmp_path / "api.log"
-    process = processes.start([EXO_TASKS, "api"], env, log_path)
+    process = module_processes.start([EXO_TASKS, "api"], env, log_path)
     wait_http(f"http://127.0.0.1:{port}/healthz", process, log_path)
     return Gunicorn(port, log_path)
 

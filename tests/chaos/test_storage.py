@@ -15,11 +15,12 @@ import requests
 
 from exo_tasks.store import Store
 from exo_tasks.store.keys import endings_key, events_key, job_key
-from tests.conftest import Stack, new_worker, runner_state
 from tests.support import sse
 from tests.support.api import api_settings, serving
 from tests.support.processes import Processes, start_redis, wait_until
+from tests.support.stack import Stack, new_worker
 from tests.support.workers import new_worker as new_worker_on
+from tests.support.workers import runner_state
 
 LOGPROBS = {"logprobs": True, "top_logprobs": 20}
 

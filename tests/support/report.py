@@ -1,13 +1,15 @@
 """The chaos suite's report: each case records what it broke and what it observed. The
-session writes it to an untracked artefact (REPORT); `make reliability-report` copies the last
+session writes it to an untracked artefact (REPORT); under pytest-xdist each worker sends its
+cases to the controller, which writes them all; `make reliability-report` copies the last
 one into docs/reliability.md, so a test run never leaves the clone dirty."""
 
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 REPORT = Path(__file__).resolve().parents[2] / "var" / "reports" / "reliability.md"
 
@@ -27,6 +29,18 @@ class Report:
 
     def add(self, case: Case) -> None:
         self.cases.append(case)
+
+    def as_data(self) -> list[dict[str, Any]]:
+        """The cases as plain data, as a pytest-xdist worker sends them to the controller."""
+        return [asdict(c) for c in self.cases]
+
+    def extend(self, data: list[dict[str, Any]]) -> None:
+        self.cases.extend(Case(**case) for case in data)
+
+    def write(self) -> None:
+        if self.cases:
+            REPORT.parent.mkdir(parents=True, exist_ok=True)
+            REPORT.write_text(self.markdown())
 
     def markdown(self) -> str:
         rows = "\n".join(

@@ -1,4 +1,5 @@
-"""The one reader of server-sent events the tests use, for a whole body or an open stream."""
+"""The one reader of server-sent events the tests and benchmarks use, for a whole body or an open
+stream: exo_tasks' events (`event:` and `data:`) and OpenAI's chunks (`data:` alone)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,17 @@ def events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
             fields = {}
     if "event" in fields:  # a body cut right after its last line
         yield {"id": fields.get("id"), "event": fields["event"], "data": json.loads(fields["data"])}
+
+
+def chunks(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """An OpenAI stream's chunks as they arrive, each parsed from JSON, up to `data: [DONE]`."""
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 def parse(text: str) -> list[dict[str, Any]]:
