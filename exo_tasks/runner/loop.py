@@ -50,9 +50,8 @@ IDLE_WAIT_S = 0.5
 GATHER_GAP_S = 0.05
 GATHER_STEP_SHARE = 0.25
 GATHER_MAX_S = 0.25
-# The most time one round spends on commands (and the one under way) before the batch steps.
-# 100,000 characters take 70-120 ms to tokenize here (2-core CPU): 150 such prompts refused in
-# a row held the batch back for 5 s, and the stall watchdog killed the runner.
+# The most time one round spends on commands before the batch steps: 150 prompts of 100k chars
+# (70-120 ms each to tokenize) held the batch back 5 s and the stall watchdog killed the runner.
 COMMANDS_BUDGET_S = 0.05
 
 
@@ -187,8 +186,7 @@ class Runner:
     def _serve_once(self) -> bool:
         """One round of the loop: commands, expiries, a step. True once a stop has finished, or
         once idle long enough to unload."""
-        # Deliver what is owed to Redis before generating more: after an outage the streams
-        # stay complete and in order.
+        # Deliver what is owed to Redis first: after an outage the streams stay whole, in order.
         self._flush()
         decoding = len(self.active)
         self._take_commands(0.0 if decoding else IDLE_WAIT_S)

@@ -239,8 +239,7 @@ class JobRecords(RedisPart):
                 pipe.expire(events_key(job_id), self.job_ttl_s)
         observations.write(pipe)
         for job in endings:
-            # EVAL, not the registered script's EVALSHA: a pipeline would first ask whether the
-            # script is loaded, one more round trip each time.
+            # EVAL, not EVALSHA: a pipeline would first ask if the script is loaded (a round trip).
             args = self._transition_args(lifecycle.write_ending(job))
             pipe.eval(TRANSITION, 4, *transition_keys(job.id), *args)
             pipe.srem(runner_key(runner_id, "jobs"), job.id)

@@ -151,8 +151,7 @@ class RunnerSupervisor:
             process = handle.process
             if process is None:
                 return
-            # The sentinel fires as the process closes its files, a moment before it can be
-            # reaped: wait for the exit code.
+            # The sentinel fires as the process closes its files, before it can be reaped.
             process.join(REAP_WAIT_S)
             if process.exitcode is None:
                 return
