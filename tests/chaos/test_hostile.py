@@ -475,9 +475,11 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
     runner._step()
     bad = admit(runner, JobRequest(prompt="x", temperature=0.7, seed=13))
     # Exactly the cap, and one token over it (one token per character for this tokenizer).
-    at_cap = admit(runner, JobRequest(prompt="c" * (40 - len(runner.loaded.encode("", None)))))
+    at_cap = admit(
+        runner, JobRequest(prompt="c" * (40 - len(runner.in_flight.loaded.encode("", None))))
+    )
     over = admit(runner, JobRequest(prompt="c" * 41, max_tokens=2))
-    while runner.active:
+    while runner.in_flight.jobs:
         runner._step()
 
     failed = store.jobs.get(bad)
