@@ -327,7 +327,9 @@ def test_a_stream_resumed_past_a_running_jobs_end_ends_when_the_job_ends(
     """Its `done` event, whose id is lower than the one asked for, was dropped: keepalives for
     ever, and a stream slot held."""
     job_id = stack.api.submit(prompt="resumed", max_tokens=200, ignore_eos=True)
-    wait_until(lambda: stack.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(
+        lambda: stack.store.streams.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens"
+    )
     if past == "next":  # a millisecond after its last event so far
         (last_id, _), *_ = stack.store.redis.xrevrange(events_key(job_id), count=1)
         past = f"{int(last_id.split('-')[0]) + 1}-0"
