@@ -47,16 +47,10 @@ class Bystander:
         self.url = url
         self.job_id = requests.post(f"{url}/v1/jobs", json=body, timeout=30).json()["id"]
         self.arrivals: list[float] = []
-        self.thread = threading.Thread(target=self._read, daemon=True)
+        reader = (url, self.job_id, self.arrivals)
+        self.thread = threading.Thread(target=sse.time_tokens, args=reader, daemon=True)
         self.thread.start()
         wait_until(lambda: len(self.arrivals) >= 3, 60, "the bystander's first tokens")
-
-    def _read(self) -> None:
-        with requests.get(f"{self.url}/v1/jobs/{self.job_id}/stream", stream=True) as response:
-            for event in sse.read(response):
-                if event["event"] != "token":
-                    return
-                self.arrivals.append(time.monotonic())
 
     def stop(self) -> float:
         """Cancel the job; its longest gap between two tokens."""

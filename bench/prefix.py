@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from bench.chat_client import ChatClient, ChatTrace
 from bench.config import Config
 from bench.contenders import Lab, start_exo, start_mlx_server
+from bench.prompts import text_of
 from bench.results import (
     EXO,
     EXO_NO_CACHE,
@@ -51,27 +52,16 @@ B_RUNS = 3
 Messages = list[dict[str, str]]
 
 
-def _text_of(tokenizer: Tokenizer, count: int, seed: str) -> str:
-    """Text of about `count` tokens (words until the tokenizer counts them)."""
-    words = f"{seed} the quick brown fox 世界 jumps over café lazy dogs while 😀 ideas grow".split()
-    text = ""
-    i = 0
-    while len(tokenizer.encode(text).ids) < count:
-        text += words[i % len(words)] + " "
-        i += 1
-    return text.strip()
-
-
 def run(lab: Lab, config: Config, results: Results) -> None:
     tokenizer = Tokenizer.from_file(str(config.bench_model / "tokenizer.json"))
-    system = _text_of(tokenizer, SYSTEM_TOKENS, "System:")
+    system = text_of(tokenizer, SYSTEM_TOKENS, "System:")
     for contender in CONTENDERS:
         for clients, per_client in ((8, 2), (32, 1)):
             log.info("prefix cache (a): %s, %d clients", contender, clients)
             jobs = [
                 [
                     {"role": "system", "content": system},
-                    {"role": "user", "content": _text_of(tokenizer, USER_TOKENS, f"Q{c}.{r}:")},
+                    {"role": "user", "content": text_of(tokenizer, USER_TOKENS, f"Q{c}.{r}:")},
                 ]
                 for c in range(clients)
                 for r in range(per_client)

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from bench.clients import Client, ExoClient, MlxServerClient, Trace
 from bench.config import Config
 from bench.contenders import Lab, start_exo, start_mlx_server
-from bench.prefix import _text_of
+from bench.prompts import text_of
 from bench.results import EXO, MLX_SERVER, Results, Target, percentile
 from tests.support.processes import Processes
 
@@ -37,7 +37,7 @@ def run(lab: Lab, config: Config, results: Results) -> None:
     # a prompt cache.
     prompts = {
         phase: [
-            _text_of(tokenizer, config.stall_prompt_tokens, f"{phase} {i}:") for i in range(PROMPTS)
+            text_of(tokenizer, config.stall_prompt_tokens, f"{phase} {i}:") for i in range(PROMPTS)
         ]
         for phase in ("Alone", "Beside")
     }

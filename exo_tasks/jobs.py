@@ -259,7 +259,7 @@ def cancel(store: Store, job_id: str, by: CancelledBy, *, celery: Celery | None)
         raise Conflict(f"job '{job_id}' is already {job.status}", {"status": job.status})
     assert job.runner_id is not None, "a running job always names its runner"
     if not store.hosts.owner_is_live(job):
-        text, tokens = store.jobs.streamed_text(job_id)
+        text, tokens = store.streams.streamed_text(job_id)
         move = lifecycle.cancel_orphaned(job, text, tokens)
         if store.jobs.apply(move):
             return move.record

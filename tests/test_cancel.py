@@ -65,7 +65,7 @@ def test_a_cancelled_queued_job_never_runs(
     job = stack.api.get(f"/v1/jobs/{queued}").json()
     assert job["status"] == "cancelled" and job["started_at"] is None
     assert job["runner_id"] is None and job["output"]["text"] == ""
-    events = [event for _, event in stack.store.jobs.read_events(queued)]
+    events = [event for _, event in stack.store.streams.read_events(queued)]
     assert len(events) == 1 and isinstance(events[0], DoneEvent)  # not one token
 
 
@@ -88,7 +88,7 @@ def test_a_cancelled_running_job_keeps_its_text_and_spares_its_batch_and_model(
     assert cancelled["status"] == "cancelled"
     assert cancelled["output"]["finish_reason"] == "cancelled" and cancelled["error"] is None
     assert 0 < cancelled["usage"]["completion_tokens"] < 4000
-    assert cancelled["output"]["text"] == stack.store.jobs.streamed_text(long)[0]
+    assert cancelled["output"]["text"] == stack.store.streams.streamed_text(long)[0]
 
     finished = stack.api.wait_job(mate)
     assert finished["status"] == "succeeded" and finished["usage"]["completion_tokens"] == 800

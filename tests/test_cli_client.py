@@ -54,7 +54,7 @@ def test_submit_quiets_bar_counts_tokens_not_text_events(stack: Stack) -> None:
     job_id = result.stderr.split()[1]
     job = stack.api.get(f"/v1/jobs/{job_id}").json()
     assert job["output"]["finish_reason"] == "stop" and job["usage"]["completion_tokens"] == 16
-    assert stack.store.jobs.streamed_text(job_id)[1] < 16  # fewer text events than tokens
+    assert stack.store.streams.streamed_text(job_id)[1] < 16  # fewer text events than tokens
     bars = [line for line in result.stderr.splitlines() if line.endswith("/16 tokens")]
     assert bars[-1] == "[" + "#" * 30 + "] 16/16 tokens"
 

@@ -107,6 +107,19 @@ def ended_as(task: dict[str, Any]) -> dict[str, Any]:
     return ended
 
 
+def revoked_task(flower: Flower, job: dict[str, Any], reason: str) -> dict[str, Any]:
+    """A long job on `beta`, cancelled: its task once REVOKED in Flower, whose result names the
+    job's final tokens (not its last progress report's), its runner and `reason`."""
+    task = flower.wait_state(job["id"], "REVOKED")
+    assert ended_as(task) == {
+        "tokens": job["usage"]["completion_tokens"],
+        "max_tokens": 4000,
+        "runner": BETA_RUNNER,
+        "reason": reason,
+    }
+    return task
+
+
 def result_of(stack: Stack, task_id: str) -> AsyncResult[Any]:
     return AsyncResult(task_id, app=stack.api.app.extensions["exo"].celery)
 
@@ -148,14 +161,8 @@ def test_flower_shows_workers_and_a_running_task_started_behind_basic_auth(
     # its final tokens (not its last progress report's) and who cancelled it.
     job = stack.api.wait_job(long_id)
     assert job["status"] == "cancelled"
+    revoked_task(flower, job, BY_API)
     tokens = job["usage"]["completion_tokens"]
-    revoked = flower.wait_state(long_id, "REVOKED")
-    assert ended_as(revoked) == {
-        "tokens": tokens,
-        "max_tokens": 4000,
-        "runner": BETA_RUNNER,
-        "reason": BY_API,
-    }
     result = result_of(stack, long_id)
     assert str(result.state) == "REVOKED" and str(result.info) == f"{BY_API} ({tokens} tokens)"
 
@@ -211,15 +218,7 @@ def test_a_revoke_from_flower_cancels_the_job_and_spares_its_pool_child_and_mode
     # The same ending as POST /v1/jobs/<id>/cancel: the partial text kept.
     assert job["status"] == "cancelled" and job["output"]["finish_reason"] == "cancelled"
     assert 0 < job["usage"]["completion_tokens"] < 4000 and job["output"]["text"]
-    task = flower.wait_state(job_id, "REVOKED")
-    assert task["worker"] == "exo@fleet-y"
-    tokens = job["usage"]["completion_tokens"]
-    assert ended_as(task) == {
-        "tokens": tokens,
-        "max_tokens": 4000,
-        "runner": BETA_RUNNER,
-        "reason": BY_REVOKE,
-    }
+    assert revoked_task(flower, job, BY_REVOKE)["worker"] == "exo@fleet-y"
     assert str(result_of(stack, job_id).state) == "REVOKED"
 
     # No process was signalled: the same pool children, the same runner with its one load.
@@ -242,15 +241,7 @@ def test_a_task_whose_streaming_client_went_away_shows_why_it_ended(
     response.close()
     job = stack.api.wait_job(job_id, timeout_s=5)
     assert job["status"] == "cancelled"
-    reason = "cancelled: its streaming client went away or fell behind"
-    tokens = job["usage"]["completion_tokens"]
-    task = flower.wait_state(job_id, "REVOKED")
-    assert ended_as(task) == {
-        "tokens": tokens,
-        "max_tokens": 4000,
-        "runner": BETA_RUNNER,
-        "reason": reason,
-    }
+    revoked_task(flower, job, "cancelled: its streaming client went away or fell behind")
 
 
 def test_failed_and_timed_out_jobs_are_failures_with_their_reason(

@@ -29,13 +29,11 @@ from exo_tasks.store import Store, connect, events_key
 from exo_tasks.types import JobRecord, JobRequest, TokenEvent
 from tests.support.clients import HOST_A
 from tests.support.processes import (
-    EXO_TASKS,
+    ApiServer,
     Processes,
     RedisServer,
-    exo_env,
-    free_port,
+    start_api,
     start_redis,
-    wait_http,
     wait_until,
 )
 from tests.support.stack import Stack
@@ -81,14 +79,15 @@ def front_door(processes: Processes, tmp_path: Path) -> FrontDoor:
         job = JobRecord(id=f"door-{n}", model="tiny", request=JobRequest(prompt="x"))
         store.jobs.create(job, "exo.model.tiny", 1000)
         job_ids.append(job.id)
-    port = free_port()
-    env = exo_env(
-        redis_url=server.url, api_port=port, api_workers=1, max_streams=STREAMS, data_dir=tmp_path
+    api = start_api(
+        processes,
+        tmp_path / "api.log",
+        redis_url=server.url,
+        api_workers=1,
+        max_streams=STREAMS,
+        data_dir=tmp_path,
     )
-    log_path = tmp_path / "api.log"
-    api = processes.start([EXO_TASKS, "api"], env, log_path)
-    wait_http(f"http://127.0.0.1:{port}/healthz", api, log_path)
-    return FrontDoor(port, store.redis, job_ids)
+    return FrontDoor(api.port, store.redis, job_ids)
 
 
 def first_bytes(sock: socket.socket) -> bytes:
@@ -180,39 +179,19 @@ CROWD = 500  # arriving over 1.5 s
 SPACING_S = 0.003
 
 
-@dataclass
-class StreamingApi:
-    """`exo-tasks api` (gunicorn, one worker) on the session's Redis, whose host-a serves tiny."""
-
-    port: int
-    master: subprocess.Popen[bytes]
-    log_path: Path
-
-    def worker_pid(self) -> int | None:
-        """Its one worker's, or None between a worker's end and its replacement."""
-        workers = psutil.Process(self.master.pid).children()
-        return workers[0].pid if len(workers) == 1 else None
-
-    def serving(self) -> None:
-        wait_http(f"http://127.0.0.1:{self.port}/healthz", self.master, self.log_path)
-
-
 @pytest.fixture
 def streaming_api(
     stack: Stack, processes: Processes, tmp_path: Path, tiny_model: Path
-) -> StreamingApi:
-    port = free_port()
-    env = exo_env(
-        redis_url=stack.redis.url,
-        api_port=port,
-        api_workers=1,
-        models=tiny_model,
-        data_dir=tmp_path,
-    )
-    log_path = tmp_path / "api.log"
-    api = StreamingApi(port, processes.start([EXO_TASKS, "api"], env, log_path), log_path)
-    api.serving()
-    return api
+) -> ApiServer:
+    """`exo-tasks api` (gunicorn, one worker) on the session's Redis, whose host-a serves tiny."""
+    settings = {"api_workers": 1, "models": tiny_model, "data_dir": tmp_path}
+    return start_api(processes, tmp_path / "api.log", redis_url=stack.redis.url, **settings)
+
+
+def worker_pid(api: ApiServer) -> int | None:
+    """Its one worker's, or None between a worker's end and its replacement."""
+    workers = psutil.Process(api.master.pid).children()
+    return workers[0].pid if len(workers) == 1 else None
 
 
 def streamed_completion(prompt: str, user: str | None = None) -> bytes:
@@ -230,7 +209,7 @@ def job_id_in(head: bytes) -> str:
 
 
 def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_submitted(
-    stack: Stack, streaming_api: StreamingApi
+    stack: Stack, streaming_api: ApiServer
 ) -> None:
     """A streamed completion's first byte goes out before its job is submitted; in a burst,
     its job also waits for the burst's last first byte (exo_tasks/api/arrivals.py), so that
@@ -271,19 +250,19 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
 
 
 def test_a_worker_killed_with_a_request_on_its_way_in_holds_back_no_later_job(
-    stack: Stack, streaming_api: StreamingApi
+    stack: Stack, streaming_api: ApiServer
 ) -> None:
     """Its door was busy when it died: gunicorn's master frees its seat on the host's board
     as it reaps it (gunicorn_conf.child_exit), or every streamed job would wait MAX_WAIT_S."""
-    killed = streaming_api.worker_pid()
+    killed = worker_pid(streaming_api)
     assert killed is not None
     with socket.create_connection(("127.0.0.1", streaming_api.port), timeout=30) as held:
         # On its way in for as long as its body trickles: the route is reading it.
         held.sendall(streamed_completion("held")[:-20])
         time.sleep(0.5)
         os.kill(killed, signal.SIGKILL)
-        wait_until(lambda: streaming_api.worker_pid() not in (None, killed), 30, "a new API worker")
-        streaming_api.serving()
+        wait_until(lambda: worker_pid(streaming_api) not in (None, killed), 30, "a new API worker")
+        streaming_api.wait_serving()
         with socket.create_connection(("127.0.0.1", streaming_api.port), timeout=30) as sock:
             sock.sendall(streamed_completion("after the kill"))
             head = first_bytes(sock)

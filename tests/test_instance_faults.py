@@ -41,7 +41,9 @@ BLOCKED_EXIT_S = PATIENCE_S + 1.0
 
 def running_job(pair: Pair) -> str:
     job_id = submit(pair, **LONG)
-    wait_until(lambda: pair.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(
+        lambda: pair.store.streams.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens"
+    )
     return job_id
 
 
@@ -177,7 +179,9 @@ def test_sigterm_ends_rank_0_blocked_in_a_collective_well_before_sigkill(pair: P
 def test_a_warm_shutdown_drains_then_stops_every_rank(pair: Pair) -> None:
     before = pair.wait_ready()
     job_id = submit(pair, prompt="drain me", max_tokens=300, ignore_eos=True)
-    wait_until(lambda: pair.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(
+        lambda: pair.store.streams.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens"
+    )
     pids, ports = pids_and_ports(before)
     pair.shut_down("warm")
     record = pair.wait_status(InstanceStatus.SHUTDOWN, DEFAULTS.runner_shutdown_grace_s + 10)
@@ -212,7 +216,9 @@ def test_a_warm_worker_shutdown_drains_the_instance_then_stops_every_rank(pair: 
     rank exits 0; the instance is Failed naming host b, and starts again once b is back."""
     before = pair.wait_ready()
     job_id = submit(pair, prompt="drain me", max_tokens=200, ignore_eos=True)
-    wait_until(lambda: pair.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(
+        lambda: pair.store.streams.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens"
+    )
     pids, ports = pids_and_ports(before)
     worker_b = pair.workers["b"].process
     worker_b.send_signal(signal.SIGTERM)

@@ -98,7 +98,7 @@ def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: 
     def decoding(job_id: str) -> bool:
         record = pair.instance()
         assert record.status == "Ready", record.error
-        return pair.store.jobs.streamed_text(job_id)[1] >= 3
+        return pair.store.streams.streamed_text(job_id)[1] >= 3
 
     ids: list[str] = []
     for request in requests:
@@ -138,7 +138,7 @@ def test_cancel_of_one_job_leaves_the_others_texts_unchanged(pair: Pair) -> None
     ]
     ids = [submit(pair, **request) for request in requests]
     wait_until(
-        lambda: pair.store.jobs.streamed_text(ids[1])[1] >= 5, 30, "tokens of the middle job"
+        lambda: pair.store.streams.streamed_text(ids[1])[1] >= 5, 30, "tokens of the middle job"
     )
     assert pair.api.post(f"/v1/jobs/{ids[1]}/cancel").status_code == 202
     jobs = [pair.api.wait_job(job_id) for job_id in ids]

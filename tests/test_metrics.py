@@ -18,12 +18,9 @@ from exo_tasks.modelgen import create_model
 from exo_tasks.store import Store
 from tests.support.metrics import Samples, parse, scrape, value
 from tests.support.processes import (
-    EXO_TASKS,
     Processes,
     RedisServer,
-    exo_env,
-    free_port,
-    wait_http,
+    start_api,
     wait_until,
 )
 from tests.support.stack import Stack
@@ -156,11 +153,8 @@ def test_a_runner_restart_is_counted(stack: Stack, omega: Worker) -> None:
 def test_every_gunicorn_worker_answers_the_same_numbers(
     stack: Stack, omega: Worker, processes: Processes, tmp_path: Any
 ) -> None:
-    port = free_port()
-    env = exo_env(redis_url=stack.redis.url, api_port=port, api_workers=3, data_dir=tmp_path)
-    gunicorn = processes.start([EXO_TASKS, "api"], env, tmp_path / "api.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/healthz", gunicorn, tmp_path / "api.log")
+    settings = {"redis_url": stack.redis.url, "api_workers": 3, "data_dir": tmp_path}
+    url = start_api(processes, tmp_path / "api.log", **settings).url
     stack.api.wait_job(stack.api.submit(prompt="g", max_tokens=3, model="omega"))
     reference = scrape(stack.api.url)
     stored = {k: v for k, v in reference.items() if not k[0].startswith("exo_num_requests")}

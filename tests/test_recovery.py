@@ -101,7 +101,7 @@ def test_a_sigkilled_workers_jobs_are_requeued_from_its_heartbeat_not_the_broker
         job = stack.api.wait_job(job_id, timeout_s=60)
         assert job["status"] == "succeeded" and job["attempts"] == 1
         assert job["usage"]["completion_tokens"] == 600
-        assert [e.event for _, e in stack.store.jobs.read_events(job_id)].count("done") == 1
+        assert [e.event for _, e in stack.store.streams.read_events(job_id)].count("done") == 1
     reader.join(timeout=5)
     assert events[-1] == "done" and events.count("requeued") == 1
 
@@ -122,7 +122,7 @@ def test_a_worker_restarted_at_once_requeues_its_previous_incarnations_jobs_at_o
         # load or the jobs after it: by the new worker, before the old heartbeat could expire.
         [requeued_ms] = [
             int(entry.split("-")[0])
-            for entry, event in stack.store.jobs.read_events(job_id)
+            for entry, event in stack.store.streams.read_events(job_id)
             if event.event == "requeued"
         ]
         assert requeued_ms / 1000 - killed < HEARTBEAT_TTL_S
@@ -143,7 +143,7 @@ def test_a_queued_job_whose_message_was_lost_is_sent_again_exactly_once(stack: S
     assert ended["status"] == "succeeded" and ended["attempts"] == 0
     assert time.monotonic() - started < 30
     time.sleep(3)  # a second message would have run by now
-    assert [e.event for _, e in stack.store.jobs.read_events(job.id)].count("done") == 1
+    assert [e.event for _, e in stack.store.streams.read_events(job.id)].count("done") == 1
 
 
 def test_a_cancel_for_a_job_whose_worker_died_is_final(
@@ -171,7 +171,7 @@ def test_a_cancel_for_a_job_whose_worker_died_is_final(
     time.sleep(3)  # a redelivered message would have started by now
     for job_id in (early, late):
         assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
-        assert [e.event for _, e in stack.store.jobs.read_events(job_id)].count("done") == 1
+        assert [e.event for _, e in stack.store.streams.read_events(job_id)].count("done") == 1
 
 
 def test_a_job_pinned_to_a_runner_stopped_on_purpose_waits_queued_for_its_load(

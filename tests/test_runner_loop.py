@@ -93,7 +93,7 @@ def store_of(runner: Runner) -> RunnerWrites:
 
 
 def engine_of(runner: Runner) -> FakeEngine:
-    return cast(FakeEngine, runner.engine)
+    return cast(FakeEngine, runner.in_flight.engine)
 
 
 def submit(soft_in_s: float = 30.0, hard_in_s: float = 60.0) -> SubmitJob:
@@ -125,13 +125,13 @@ def test_a_stop_under_way_only_gets_stricter(runner: Runner) -> None:
 def test_jobs_past_their_limits_end_by_the_runners_clock(runner: Runner) -> None:
     soft, hard, fresh = submit(soft_in_s=-1), submit(soft_in_s=-2, hard_in_s=-1), submit()
     for command in (soft, hard, fresh):
-        runner._admit(command)
-    assert len(runner.active) == 3
+        runner.in_flight.admit(command)
+    assert len(runner.in_flight.jobs) == 3
 
-    runner._drop_expired()
+    runner.in_flight.drop_expired()
 
     ended = {job.id: job for job in runner.outbox.endings}
-    assert set(runner.active) == {fresh.job.id}
+    assert set(runner.in_flight.jobs) == {fresh.job.id}
     assert ended[soft.job.id].status == JobStatus.TIMED_OUT
     assert ended[soft.job.id].output.finish_reason == "time_limit"
     assert ended[hard.job.id].status == JobStatus.FAILED
@@ -144,18 +144,18 @@ def test_a_burst_is_gathered_up_to_a_prefill_batch(
 ) -> None:
     monkeypatch.setattr(runner_module, "GATHER_MAX_S", 1.0)
     runner.step_s = 4.0  # a long step: the share of it allows the whole GATHER_MAX_S
-    runner._admit(submit())  # the one decoding
+    runner.in_flight.admit(submit())  # the one decoding
     for _ in range(5):
         runner.commands.put(submit())
     runner._take_commands(0.0)  # takes every command waiting
-    assert len(runner.active) == 6
+    assert len(runner.in_flight.jobs) == 6
 
     for _ in range(5):
         runner.commands.put(submit())
     started = time.monotonic()
     runner._gather_burst(decoding=6)
     # Commands already in the inbox are all taken at once, past the prefill batch size.
-    assert len(runner.active) == 11 and time.monotonic() - started < 0.5
+    assert len(runner.in_flight.jobs) == 11 and time.monotonic() - started < 0.5
 
 
 def test_a_flood_of_slow_refusals_is_taken_over_rounds_each_with_a_step(
@@ -165,7 +165,7 @@ def test_a_flood_of_slow_refusals_is_taken_over_rounds_each_with_a_step(
     characters, 20-120 ms each to tokenize and refuse, held the batch for seconds."""
     decoding = submit()
     decoding.job.request.max_tokens = 100
-    runner._admit(decoding)
+    runner.in_flight.admit(decoding)
 
     def slow_encode(prompt: str | None, messages: Any, tools: Any = None) -> list[int]:
         time.sleep(0.03)
@@ -192,7 +192,7 @@ def test_a_flood_of_slow_refusals_is_taken_over_rounds_each_with_a_step(
 
 
 def test_a_refusal_is_progress_for_the_stall_watchdog(runner: Runner) -> None:
-    runner._admit(submit())
+    runner.in_flight.admit(submit())
     runner.progress.array[0] = 0.0  # silent since the clock's start: stalled by any limit
     assert runner.progress.stall(60.0, 5.0) is not None
     runner._handle(intake.Refused(submit(), "prompt: is at least 9000 tokens"))
@@ -202,7 +202,7 @@ def test_a_refusal_is_progress_for_the_stall_watchdog(runner: Runner) -> None:
 
 def test_a_lone_job_is_not_held_back(runner: Runner) -> None:
     runner.step_s = 4.0
-    runner._admit(submit())
+    runner.in_flight.admit(submit())
     started = time.monotonic()
     runner._gather_burst(decoding=1)  # nothing more comes: no wait beyond one gap
     assert time.monotonic() - started < runner_module.GATHER_GAP_S + 0.05
@@ -218,15 +218,15 @@ def test_the_runner_loads_its_engine_from_the_factory_and_frees_it(runner: Runne
         RunnerStatus.READY,
     ]
     runner.unload()
-    assert engine.closed and runner.engine is None
+    assert engine.closed and runner.in_flight.engine is None
 
 
 def test_a_step_streams_tokens_and_ends_jobs_through_the_outbox(runner: Runner) -> None:
     short = submit()
     short.job.request.max_tokens = 1
     long = submit()
-    runner._admit(short)
-    runner._admit(long)
+    runner.in_flight.admit(short)
+    runner.in_flight.admit(long)
 
     runner._step()  # one token each; the short job is done
 
@@ -239,7 +239,7 @@ def test_a_step_streams_tokens_and_ends_jobs_through_the_outbox(runner: Runner) 
         (short.job.id, JobStatus.SUCCEEDED, "x")
     ]
     assert endings[0].output.finish_reason == "length" and endings[0].usage.completion_tokens == 1
-    assert set(runner.active) == {long.job.id}
+    assert set(runner.in_flight.jobs) == {long.job.id}
     # The runner's state follows its jobs: Running, with the largest batch it stepped.
     assert store_of(runner).published[-1].status == RunnerStatus.RUNNING
     assert runner.outbox.state.largest_batch == 2 and runner.outbox.state.active_jobs == 1

@@ -296,7 +296,7 @@ def test_warm_worker_shutdown_finishes_or_requeues_and_a_restart_completes_every
     new_worker(stack, processes, tiny_model, tmp_path, host)
     for job_id in [long_id, short_id, *queued]:
         assert stack.api.wait_job(job_id, timeout_s=60)["status"] == "succeeded"
-    events = stack.store.jobs.read_events(long_id)
+    events = stack.store.streams.read_events(long_id)
     assert [e.event for _, e in events].count("done") == 1
 
 
@@ -326,7 +326,7 @@ def test_cold_worker_shutdown_requeues_in_flight_jobs_never_succeeding_them(
     job = stack.api.wait_job(job_id, timeout_s=60)
     assert job["status"] == "succeeded" and job["attempts"] >= 1
     assert job["usage"]["completion_tokens"] == 4000
-    assert [e.event for _, e in stack.store.jobs.read_events(job_id)].count("done") == 1
+    assert [e.event for _, e in stack.store.streams.read_events(job_id)].count("done") == 1
 
 
 def test_unknown_host_shutdown_is_404(stack: Stack) -> None:

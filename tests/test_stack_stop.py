@@ -87,7 +87,7 @@ def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
         for job_id in ids:
             job = store.jobs.get(job_id)
             assert job is not None and job.status == "queued" and job.attempts == 1, job
-            events = [event.event for _, event in store.jobs.read_events(job_id)]
+            events = [event.event for _, event in store.streams.read_events(job_id)]
             assert events.count("requeued") == 1, events
         assert store.jobs.queue_depth(model_queue(DEFAULT_PRESET)) == len(ids)
         assert store.redis.hlen("unacked") == 0

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 from mlx_lm import load, stream_generate
 
 from exo_tasks.runner.engine import PREFILL_STEP_SIZE
@@ -43,17 +42,10 @@ class Reader:
     """A job's token stream, read in a thread: when each token arrived."""
 
     def __init__(self, url: str, job_id: str) -> None:
-        self.url, self.job_id = url, job_id
         self.arrivals: list[float] = []
-        self.thread = threading.Thread(target=self._read, daemon=True)
+        reader = (url, job_id, self.arrivals)
+        self.thread = threading.Thread(target=sse.time_tokens, args=reader, daemon=True)
         self.thread.start()
-
-    def _read(self) -> None:
-        with requests.get(f"{self.url}/v1/jobs/{self.job_id}/stream", stream=True) as response:
-            for event in sse.read(response):
-                if event["event"] != "token":
-                    return
-                self.arrivals.append(time.monotonic())
 
     def gaps(self, start: float, end: float) -> list[float]:
         """The waits for the tokens that arrived between `start` and `end`, longest first."""

@@ -110,9 +110,9 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     requeued = store.jobs.requeue(job.id)
     assert requeued is not None and requeued.attempts == 1
 
-    after, events_before = store.jobs.attempt_start(job.id)
+    after, events_before = store.streams.attempt_start(job.id)
     assert events_before == 2  # the first attempt's token and its requeue
-    [(first_end, ending)] = store.jobs.read_endings(job.id, "0-0", block_ms=100)
+    [(first_end, ending)] = store.streams.read_endings(job.id, "0-0", block_ms=100)
     assert first_end == after and ending.event == "requeued"
 
     store.runners.hand_over(runner_id, running(requeued, runner_id))
@@ -122,9 +122,9 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     store.jobs.write_step(
         runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final]
     )
-    [(_, ending)] = store.jobs.read_endings(job.id, after, block_ms=100)
+    [(_, ending)] = store.streams.read_endings(job.id, after, block_ms=100)
     assert ending.event == "done" and ending.job.output.text == "b"
-    _, events = store.jobs.runner_and_events(runner_id, job.id)
+    _, events = store.streams.runner_and_events(runner_id, job.id)
     assert events - events_before == 2  # this attempt's token and its done
 
 

@@ -84,7 +84,7 @@ def with_progress(listed: list[JobRecord]) -> list[JobRecord]:
     running = [job.id for job in listed if job.status == JobStatus.RUNNING]
     if not running:
         return listed
-    histories = ctx().store.jobs.event_histories(running)
+    histories = ctx().store.streams.event_histories(running)
     now = utcnow()
     return [progress.with_progress(job, histories.get(job.id, []), now) for job in listed]
 

@@ -240,7 +240,7 @@ def follow(
     than the one asked for, would never come, and the stream would send keepalives for ever).
     If the caller falls EXO_STREAM_BUFFER_EVENTS events behind, `on_overflow` is called at
     once (by the reader) and the caller gets StreamOverflow at its next read."""
-    last = store.jobs.last_event(job_id)
+    last = store.streams.last_event(job_id)
     end = "0-0" if last is None else last[0]
     if last is not None and isinstance(last[1], DoneEvent) and stream_id(end) <= stream_id(after):
         yield last

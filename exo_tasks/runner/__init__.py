@@ -1,9 +1,10 @@
 """The runner: one process per (host, model), the single owner of a loaded model.
 
 - `main`: the spawned process's entry point; `process`: its spec, the progress it shares with
-  the supervisor, its engine factory and exit codes; `loop`: the batching loop (commands,
-  admission, steps, expiry, stopping); `intake`: its inbox read by a thread of its own, a prompt
-  over the token cap for certain refused there.
+  the supervisor, its engine factory and exit codes; `loop`: the batching loop (lifecycle,
+  commands, bursts, steps, stopping); `in_flight`: the jobs in the batch (admitted or refused,
+  ended, requeued, expired); `intake`: its inbox read by a thread of its own, a prompt over the
+  token cap for certain refused there.
 - `active_job`, `outbox`: a job in the batch, and what the runner owes Redis.
 - `engine`, `lane`, `lane_threads`: continuous batching over mlx-lm's `BatchGenerator`.
 - `sampling`, `prompt_cache`, `toolcalls`, `keep_alive`: a job's own sampling, the prompt
@@ -18,6 +19,7 @@ the worker's main process imports `main` and `process` to spawn it.
 __all__ = [
     "active_job",
     "engine",
+    "in_flight",
     "intake",
     "keep_alive",
     "lane",

@@ -2,8 +2,10 @@
 one client they share.
 
 - `keys`: the key layout; `client`: the connection and the refusals a writer waits out.
-- `store.jobs`: job records, event and endings streams; executes exo_tasks.lifecycle's moves
-  (each ending counted in `store.metrics`).
+- `store.jobs`: job records; executes exo_tasks.lifecycle's moves (each ending counted in
+  `store.metrics`), which append to the job's streams.
+- `store.streams`: each job's event and endings streams, read (the API's streams, a job's
+  progress, the task that waits for a job's ending).
 - `store.runners`: runner state and history, inboxes, and the hand-over of a job to a runner
   (the jobs of a runner that is gone ended or requeued through `store.jobs`).
 - `store.hosts`: heartbeats (worker incarnations), leases, supervisor inboxes, the
@@ -37,6 +39,7 @@ from exo_tasks.store.keys import (
 )
 from exo_tasks.store.metrics import MetricRecords
 from exo_tasks.store.runners import RunnerRecords, UnreadableCommand
+from exo_tasks.store.streams import JobStreams
 
 __all__ = [
     "PREFIX",
@@ -60,7 +63,8 @@ class Store:
         # Any: as each part's (exo_tasks.store.client.RedisPart).
         self.redis: Any = client
         self.metrics = MetricRecords(client)
-        self.jobs = JobRecords(client, self.metrics, job_ttl_s=job_ttl_s)
+        self.streams = JobStreams(client)
+        self.jobs = JobRecords(client, self.metrics, self.streams, job_ttl_s=job_ttl_s)
         self.runners = RunnerRecords(client, self.jobs)
         self.hosts = HostRecords(client)
         self.instances = InstanceRecords(client)

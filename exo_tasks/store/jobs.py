@@ -1,5 +1,5 @@
-"""Job records, each job's event and endings streams, and the execution of the job state
-machine's moves (exo_tasks.lifecycle).
+"""Job records, and the execution of the job state machine's moves (exo_tasks.lifecycle),
+which append to each job's streams (read by `exo_tasks.store.streams`).
 
 Every write that changes a job's status goes through one Lua script that checks the current
 status first, so whoever ends a job first (runner, task, supervisor, cancel) wins and the
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from config.celery import PRIORITY_CLASSES
 from exo_tasks import fairness, lifecycle, metrics
@@ -25,28 +25,24 @@ from exo_tasks.store.keys import (
     ACTIVE_JOBS,
     RECENT_JOBS,
     client_key,
-    endings_key,
     events_key,
     job_key,
     runner_key,
     transition_keys,
 )
 from exo_tasks.store.metrics import MetricRecords
+from exo_tasks.store.streams import JobStreams
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
     JobEnding,
-    JobEvent,
     JobRecord,
     JobStatus,
-    RequeuedEvent,
     TokenEvent,
 )
 from exo_tasks.wire import STORED
 
 log = logging.getLogger("exo_tasks.store")
-_event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
-_ending_adapter: TypeAdapter[DoneEvent | RequeuedEvent] = TypeAdapter(DoneEvent | RequeuedEvent)
 
 
 @dataclass(frozen=True)
@@ -73,12 +69,16 @@ class JobWhereabouts:
 
 
 class JobRecords(RedisPart):
-    """Job records and streams; each ending is counted in `metrics`. A job's keys expire
-    `job_ttl_s` after its last move."""
+    """Job records and their moves; each ending is counted in `metrics`, and an ending from
+    outside its runner keeps the text `streams` had of it. A job's keys expire `job_ttl_s`
+    after its last move."""
 
-    def __init__(self, client: redis.Redis, metrics: MetricRecords, *, job_ttl_s: int) -> None:
+    def __init__(
+        self, client: redis.Redis, metrics: MetricRecords, streams: JobStreams, *, job_ttl_s: int
+    ) -> None:
         super().__init__(client)
         self.metrics = metrics
+        self.streams = streams
         self.job_ttl_s = job_ttl_s
 
     def queue_depth(self, queue: str) -> int:
@@ -266,7 +266,7 @@ class JobRecords(RedisPart):
         job = self.get(job_id)
         if job is None or job.is_terminal:
             return False
-        text, tokens = self.streamed_text(job_id)
+        text, tokens = self.streams.streamed_text(job_id)
         move = lifecycle.end(
             job,
             status,
@@ -289,7 +289,7 @@ class JobRecords(RedisPart):
         if job is None or job.is_terminal or (only_from is not None and job.owner != only_from):
             return None
         if self.redis.hexists(job_key(job_id), "cancel"):
-            text, tokens = self.streamed_text(job_id)
+            text, tokens = self.streams.streamed_text(job_id)
             self.apply(lifecycle.cancel_orphaned(job, text, tokens))
             return None
         move = lifecycle.requeue(job, only_from_owner=only_from is not None)
@@ -329,72 +329,3 @@ class JobRecords(RedisPart):
             for job_id, (status, queue, owner, runner) in zip(ids, pipe.execute(), strict=True)
             if status in lifecycle.ACTIVE
         ]
-
-    # --- a job's event stream ---
-
-    def read_events(
-        self, job_id: str, after: str = "0-0", block_ms: int | None = None
-    ) -> list[tuple[str, JobEvent]]:
-        """Events after stream id `after`, waiting up to `block_ms` for the first one."""
-        reply = self.redis.xread({events_key(job_id): after}, block=block_ms)
-        if not reply:
-            return []
-        _key, entries = reply[0]
-        return [
-            (entry_id, _event_adapter.validate_json(fields["data"])) for entry_id, fields in entries
-        ]
-
-    def event_histories(self, job_ids: list[str]) -> dict[str, list[tuple[str, JobEvent]]]:
-        """The whole event stream of each job, in one round trip (progress of running jobs)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.xrange(events_key(job_id))
-        return {
-            job_id: [(entry_id, _event_adapter.validate_json(f["data"])) for entry_id, f in entries]
-            for job_id, entries in zip(job_ids, pipe.execute(), strict=True)
-        }
-
-    def last_event(self, job_id: str) -> tuple[str, JobEvent] | None:
-        """The last event of the job's stream, if any."""
-        entries = self.redis.xrevrange(events_key(job_id), count=1)
-        if not entries:
-            return None
-        entry_id, fields = entries[0]
-        return entry_id, _event_adapter.validate_json(fields["data"])
-
-    def read_endings(
-        self, job_id: str, after: str, block_ms: int
-    ) -> list[tuple[str, DoneEvent | RequeuedEvent]]:
-        """How the job's attempts ended after stream id `after`, waiting up to `block_ms`."""
-        reply = self.redis.xread({endings_key(job_id): after}, block=block_ms)
-        if not reply:
-            return []
-        _key, entries = reply[0]
-        return [(entry_id, _ending_adapter.validate_json(f["data"])) for entry_id, f in entries]
-
-    def attempt_start(self, job_id: str) -> tuple[str, int]:
-        """Where a new attempt starts: the last ending's id (only later ones are this
-        attempt's) and the number of events so far (later ones are this attempt's tokens)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xrevrange(endings_key(job_id), count=1)
-        pipe.xlen(events_key(job_id))
-        last, events = pipe.execute()
-        return (str(last[0][0]) if last else "0-0"), int(events)
-
-    def runner_and_events(self, runner_id: str, job_id: str) -> tuple[RunnerState | None, int]:
-        """A runner's state and a job's event count, in one round trip (a task's check)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.get(runner_key(runner_id))
-        pipe.xlen(events_key(job_id))
-        raw, events = pipe.execute()
-        return (RunnerState.model_validate_json(raw) if raw else None), int(events)
-
-    def streamed_text(self, job_id: str) -> tuple[str, int]:
-        """The text and token count of the current attempt so far (a failed job keeps it)."""
-        tokens: list[str] = []
-        for _, event in self.read_events(job_id):
-            if isinstance(event, RequeuedEvent):
-                tokens = []
-            elif isinstance(event, TokenEvent):
-                tokens.append(event.text)
-        return "".join(tokens), len(tokens)

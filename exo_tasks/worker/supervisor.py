@@ -4,7 +4,8 @@ Runners are spawned (never forked: a process that ran MLX cannot fork safely) an
 their process sentinels, so a dead runner is noticed at once, with or without a last word, and
 by a stall watchdog over shared memory, so a hung one is noticed too. Stopping follows a fixed
 escalation, each step logged: ask → grace → SIGTERM → 5 s → SIGKILL → 5 s → "resources may have
-leaked".
+leaked". What an exit leads to (a stop recorded, a failure and its restart backoff, an idle
+unload) is `exo_tasks.worker.runner_exits`'s to record; this module acts on it.
 """
 
 from __future__ import annotations
@@ -16,19 +17,17 @@ import os
 import signal
 import threading
 import time
-from datetime import datetime, timedelta
 from multiprocessing.process import BaseProcess
 
 from config.settings import Settings
 from exo_tasks import lifecycle, metrics
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
-from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import main as runner_main
 from exo_tasks.runner import process as runner_process
 from exo_tasks.store import Store
-from exo_tasks.types import utcnow
+from exo_tasks.worker.runner_exits import RunnerExits
 from exo_tasks.worker.supervision import (
-    HEALTHY_UPTIME_S,
     KILL_WAIT_S,
     TERM_WAIT_S,
     RankExitCallback,
@@ -37,7 +36,6 @@ from exo_tasks.worker.supervision import (
     StoppedCallback,
     exit_cause,
     in_thread,
-    restart_backoff_s,
 )
 
 log = logging.getLogger("exo_tasks.supervisor")
@@ -62,6 +60,7 @@ class RunnerSupervisor:
         self.host = settings.hostname
         self.on_serving = on_serving or (lambda queue, serving: None)
         self.on_stopped = on_stopped or (lambda: None)
+        self.exits = RunnerExits(settings, store, self.on_serving)
         # Told when a rank of an instance exits (exo_tasks.worker.ranks): ranks are not restarted.
         self.on_rank_exit: RankExitCallback = lambda handle, exitcode, cause: None
         self.handles: dict[str, RunnerHandle] = {}
@@ -155,78 +154,16 @@ class RunnerSupervisor:
             process.join(REAP_WAIT_S)
             if process.exitcode is None:
                 return
-            cause = exit_cause(process.exitcode)
             if handle.spec.rank is not None:
                 # Each start of a rank is a handle of its own: its instance decides what next.
                 self.handles = {k: h for k, h in self.handles.items() if h is not handle}
+                cause = exit_cause(process.exitcode)
                 why = f"{handle.stall}; {cause}" if handle.stall else cause
                 in_thread(self.on_rank_exit, handle, process.exitcode, why)
-            elif handle.stop is not None and handle.stall is None:
-                self._record_stop(handle, handle.stop, cause)
-            elif process.exitcode == runner_process.EXIT_UNLOADED:
-                # Idle, it unloaded its model: no restart; the next job asks for a start. A job
-                # handed over as it exited was never started: back to the queue.
-                requeued = self.store.runners.requeue_jobs(handle.spec.runner_id)
-                log.info("runner unloaded (idle)", extra={"runner": handle.spec.runner_id})
-                if requeued:
-                    log.info("jobs requeued", extra={"jobs": ",".join(requeued)})
             else:
-                self._record_failure(
-                    handle,
-                    f"{handle.stall}; {cause}" if handle.stall else cause,
-                    final=process.exitcode == runner_process.EXIT_CONFIG,
-                )
+                self.exits.record(handle, process.exitcode)
             # Only once recorded: if Redis was down, the next watch round records it again.
             handle.process = None
-
-    def _record_failure(self, handle: RunnerHandle, cause: str, *, final: bool = False) -> None:
-        """A crash or a hang: fail its jobs at once, then restart it with backoff (bounded).
-        `final`: a configuration error, which no restart would cure."""
-        runner_id = handle.spec.runner_id
-        last = self.store.runners.get(runner_id)
-        if last is not None and last.status == RunnerStatus.FAILED and last.error:
-            # The runner said why before it exited (a crash, a model that did not load): keep
-            # its words next to the exit cause. (Its state is fresh since its spawn.)
-            cause = f"{last.error} ({cause})"
-        log.error("runner failed", extra={"runner": runner_id, "cause": cause})
-        failed = self.store.runners.fail_jobs(runner_id, f"runner {runner_id} failed: {cause}")
-        if failed:
-            log.error(
-                "jobs failed with their runner",
-                extra={"runner": runner_id, "jobs": ",".join(failed)},
-            )
-        uptime = time.monotonic() - handle.started_monotonic
-        handle.failures_in_a_row = 1 if uptime > HEALTHY_UPTIME_S else handle.failures_in_a_row + 1
-        if final or handle.failures_in_a_row > self.settings.runner_max_restarts:
-            error = (
-                f"{cause}; not restarted: a configuration error"
-                if final
-                else f"{cause}; gave up after {handle.failures_in_a_row} failures in a row"
-            )
-            log.critical("runner not restarted", extra={"runner": runner_id, "error": error})
-            self._publish(handle, last, RunnerStatus.FAILED, error)
-            self.on_serving(handle.spec.model, False)
-            return
-        delay = restart_backoff_s(handle.failures_in_a_row)
-        handle.restart_at = time.monotonic() + delay
-        restart_at = utcnow() + timedelta(seconds=delay)
-        self._publish(handle, last, RunnerStatus.FAILED, cause, restart_at)
-        log.warning("runner restarts soon", extra={"runner": runner_id, "in_s": delay})
-
-    def _record_stop(self, handle: RunnerHandle, stop: StopRunner, cause: str) -> None:
-        """An intended stop stays one, however the process ended: `Shutdown`, and only a load
-        brings it back (jobs pinned to this host wait for it). Exit 0 after `Shutdown` is clean;
-        any other exit (it needed the escalation, or crashed on its way out) is its `error`."""
-        runner_id = handle.spec.runner_id
-        last = self.store.runners.get(runner_id)
-        clean = cause == "exitcode=0" and last is not None and last.status == RunnerStatus.SHUTDOWN
-        if stop.requeue:
-            self.store.runners.requeue_jobs(runner_id)
-        else:
-            self.store.runners.fail_jobs(runner_id, f"runner {runner_id} stopped: {cause}")
-        if not clean:
-            self._publish(handle, last, RunnerStatus.SHUTDOWN, cause)
-        log.info("runner stopped", extra={"runner": runner_id, "cause": cause, "clean": clean})
 
     def _restart_due(self) -> None:
         with self._lock:
@@ -237,31 +174,6 @@ class RunnerSupervisor:
                     restart = metrics.Observations()
                     restart.inc(metrics.RUNNER_RESTARTS, model=handle.spec.model, host=self.host)
                     self.store.metrics.write(restart)
-
-    def _publish(
-        self,
-        handle: RunnerHandle,
-        last: RunnerState | None,
-        status: RunnerStatus,
-        error: str | None,
-        next_restart_at: datetime | None = None,
-    ) -> None:
-        spec = handle.spec
-        # No record yet (Redis lost it): one with this status, which is then no move.
-        base = last or RunnerState(
-            id=spec.runner_id, host=spec.host, model=spec.model, status=status
-        )
-        moved = lifecycle.move_runner(
-            base,
-            status,
-            error=error,
-            active_jobs=0,
-            updated_at=utcnow(),
-            restarts=handle.restarts,
-            next_restart_at=next_restart_at,
-        )
-        if moved is not None:
-            self.store.runners.publish(moved, status_changed=True)
 
     # --- requests from the shutdown_runner and load_runner tasks ---
 
@@ -328,7 +240,8 @@ class RunnerSupervisor:
         if on_purpose:
             self.on_serving(handle.spec.model, False)
         if process is None:
-            self._publish(handle, self.store.runners.get(runner_id), RunnerStatus.SHUTDOWN, None)
+            last = self.store.runners.get(runner_id)
+            self.exits.publish(handle, last, RunnerStatus.SHUTDOWN, None)
             return "not running"
         extra = {"runner": runner_id, "pid": process.pid}
         log.info("stopping runner", extra={**extra, "mode": command.mode, "grace_s": grace_s})

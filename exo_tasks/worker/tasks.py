@@ -226,7 +226,7 @@ def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Atte
     )
     # A first attempt has no ending and no events yet: no round trip to find where it starts.
     first = lifecycle.is_first_attempt(job)
-    after, events_before = ("0-0", 0) if first else store.jobs.attempt_start(job.id)
+    after, events_before = ("0-0", 0) if first else store.streams.attempt_start(job.id)
     started = lifecycle.start(
         job, host=settings.hostname, runner_id=runner_id, owner=app.incarnation
     )
@@ -307,7 +307,7 @@ def _follow(
     only for a runner that died silently and for the progress report."""
     while True:
         try:
-            for _, ending in store.jobs.read_endings(job_id, after, block_ms=WAIT_SLICE_MS):
+            for _, ending in store.streams.read_endings(job_id, after, block_ms=WAIT_SLICE_MS):
                 if isinstance(ending, RequeuedEvent):
                     raise Reject("runner stopped before the job finished; requeued", requeue=True)
                 return ending.job
@@ -325,7 +325,7 @@ def _check_on(
 ) -> None:
     """Between two waits: report progress; end the job if its runner is gone or `until` has
     passed. Each ending is appended to the job's endings, which the next wait returns."""
-    current, events = store.jobs.runner_and_events(runner.id, job_id)
+    current, events = store.streams.runner_and_events(runner.id, job_id)
     if progress is not None:
         progress.update(events)
     if current is None or current.pid != runner.pid or current.status.is_final:

@@ -79,7 +79,7 @@ class Chaos:
         return sum(1 for j in jobs.values() if j.get("status") not in TERMINAL_JOB_STATUSES)
 
     def done_events(self, job_id: str) -> int:
-        return [e.event for _, e in self.store.jobs.read_events(job_id)].count("done")
+        return [e.event for _, e in self.store.streams.read_events(job_id)].count("done")
 
 
 @pytest.fixture
@@ -241,7 +241,7 @@ def test_redis_down_longer_than_a_heartbeat_requeues_and_fails_nothing(
         chaos.api.submit(prompt=f"through {h}", max_tokens=1500, ignore_eos=True, host=h)
         for h in hosts
     ]
-    wait_until(lambda: all(chaos.store.jobs.streamed_text(j)[1] > 0 for j in ids), 10, "tokens")
+    wait_until(lambda: all(chaos.store.streams.streamed_text(j)[1] > 0 for j in ids), 10, "tokens")
     chaos.redis.process.send_signal(signal.SIGKILL)
     chaos.redis.process.wait(timeout=5)
     outage_s = HEARTBEAT_TTL_S + 3
@@ -269,7 +269,7 @@ def test_streaming_clients_get_an_error_when_the_runner_dies(
 ) -> None:
     chaos.worker("chaos-stream")
     ids = submit_many(chaos.api, 5, max_tokens=4000, ignore_eos=True, host="chaos-stream")
-    wait_until(lambda: all(chaos.store.jobs.streamed_text(i)[1] > 0 for i in ids), 10, "tokens")
+    wait_until(lambda: all(chaos.store.streams.streamed_text(i)[1] > 0 for i in ids), 10, "tokens")
     last_events: dict[str, str] = {}
     ended_at: dict[str, float] = {}
 

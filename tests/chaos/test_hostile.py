@@ -327,7 +327,9 @@ def test_a_stream_resumed_past_a_running_jobs_end_ends_when_the_job_ends(
     """Its `done` event, whose id is lower than the one asked for, was dropped: keepalives for
     ever, and a stream slot held."""
     job_id = stack.api.submit(prompt="resumed", max_tokens=200, ignore_eos=True)
-    wait_until(lambda: stack.store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(
+        lambda: stack.store.streams.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens"
+    )
     if past == "next":  # a millisecond after its last event so far
         (last_id, _), *_ = stack.store.redis.xrevrange(events_key(job_id), count=1)
         past = f"{int(last_id.split('-')[0]) + 1}-0"
@@ -475,9 +477,11 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
     runner._step()
     bad = admit(runner, JobRequest(prompt="x", temperature=0.7, seed=13))
     # Exactly the cap, and one token over it (one token per character for this tokenizer).
-    at_cap = admit(runner, JobRequest(prompt="c" * (40 - len(runner.loaded.encode("", None)))))
+    at_cap = admit(
+        runner, JobRequest(prompt="c" * (40 - len(runner.in_flight.loaded.encode("", None))))
+    )
     over = admit(runner, JobRequest(prompt="c" * 41, max_tokens=2))
-    while runner.active:
+    while runner.in_flight.jobs:
         runner._step()
 
     failed = store.jobs.get(bad)

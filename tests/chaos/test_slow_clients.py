@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_http
+from tests.support.processes import Processes, start_api
 from tests.support.stack import Stack
 
 STALLED = 150  # the reported attack: 100 s of /healthz timeouts with gunicorn's own gthread
@@ -47,18 +47,15 @@ def gunicorn(
     """One `exo-tasks api` for the module: every test closes the connections it opened, so
     none leaves the server otherwise than it found it."""
     tmp_path = tmp_path_factory.mktemp("gunicorn")
-    port = free_port()
-    env = exo_env(
+    api = start_api(
+        module_processes,
+        tmp_path / "api.log",
         redis_url=stack.redis.url,
-        api_port=port,
         data_dir=tmp_path,
         api_header_timeout_s=HEADER_TIMEOUT_S,
         api_body_timeout_s=BODY_TIMEOUT_S,
     )
-    log_path = tmp_path / "api.log"
-    process = module_processes.start([EXO_TASKS, "api"], env, log_path)
-    wait_http(f"http://127.0.0.1:{port}/healthz", process, log_path)
-    return Gunicorn(port, log_path)
+    return Gunicorn(api.port, api.log_path)
 
 
 @contextlib.contextmanager

@@ -93,7 +93,9 @@ class LocalStack:
         ]
         store = self.store()
         wait_until(
-            lambda: all(store.jobs.streamed_text(j)[1] >= 3 for j in ids), 20, "tokens of every job"
+            lambda: all(store.streams.streamed_text(j)[1] >= 3 for j in ids),
+            20,
+            "tokens of every job",
         )
         return ids
 

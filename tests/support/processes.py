@@ -158,3 +158,29 @@ def wait_http(
             return False
 
     wait_until(answers, timeout_s, url, interval_s=0.2)
+
+
+@dataclass(frozen=True)
+class ApiServer:
+    """`exo-tasks api` (gunicorn) as `start_api` started it: its master process, port and log."""
+
+    master: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_serving(self) -> None:
+        """Until its /healthz answers; fail at once, with the log, if the master exits first."""
+        wait_http(f"{self.url}/healthz", self.master, self.log_path)
+
+
+def start_api(processes: Processes, log_path: Path, **settings: Any) -> ApiServer:
+    """`exo-tasks api` (gunicorn) on a free port, `settings` its EXO_ variables, once it serves."""
+    port = free_port()
+    master = processes.start([EXO_TASKS, "api"], exo_env(api_port=port, **settings), log_path)
+    api = ApiServer(master, port, log_path)
+    api.wait_serving()
+    return api

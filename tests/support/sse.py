@@ -1,9 +1,11 @@
 """The one reader of server-sent events the tests and benchmarks use, for a whole body or an open
-stream: exo_tasks' events (`event:` and `data:`) and OpenAI's chunks (`data:` alone)."""
+stream: exo_tasks' events (`event:` and `data:`) and OpenAI's chunks (`data:` alone); and a job's
+stream timed token by token."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -50,3 +52,14 @@ def parse(text: str) -> list[dict[str, Any]]:
 def read(response: requests.Response) -> Iterator[dict[str, Any]]:
     """The events of an open SSE response, as they arrive."""
     return events(response.iter_lines(decode_unicode=True))
+
+
+def time_tokens(url: str, job_id: str, arrivals: list[float]) -> None:
+    """Read a job's stream from the API at `url` up to its first event that is no token,
+    appending when each token arrived (time.monotonic()) to `arrivals`: a bystander's stream,
+    timed by a thread of its own."""
+    with requests.get(f"{url}/v1/jobs/{job_id}/stream", stream=True) as response:
+        for event in read(response):
+            if event["event"] != "token":
+                return
+            arrivals.append(time.monotonic())

@@ -35,7 +35,9 @@ class TwoHosts:
 
 def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
     wait_until(
-        lambda: stack.store.jobs.streamed_text(job_id)[1] >= at_least, 10, f"tokens of job {job_id}"
+        lambda: stack.store.streams.streamed_text(job_id)[1] >= at_least,
+        10,
+        f"tokens of job {job_id}",
     )
 
 

@@ -20,12 +20,9 @@ import requests
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest
 from tests.support.processes import (
-    EXO_TASKS,
     Processes,
-    exo_env,
-    free_port,
+    start_api,
     start_redis,
-    wait_http,
 )
 
 GIVE_UP_S = 120.0
@@ -53,13 +50,8 @@ def main(data_dir: Path) -> dict[str, object]:
         store = Store.from_url(redis.url)
         job = JobRecord(id="vanish", model="tiny", request=JobRequest(prompt="x"))
         store.jobs.create(job, "exo.model.tiny", 1000)  # queued for good: keepalives only
-        port = free_port()
-        env = exo_env(
-            redis_url=redis.url, api_port=port, api_workers=1, max_streams=1, data_dir=data_dir
-        )
-        log_path = data_dir / "api.log"
-        api = processes.start([EXO_TASKS, "api"], env, log_path)
-        wait_http(f"http://127.0.0.1:{port}/healthz", api, log_path)
+        settings = {"api_workers": 1, "max_streams": 1, "data_dir": data_dir}
+        port = start_api(processes, data_dir / "api.log", redis_url=redis.url, **settings).port
         url = f"http://127.0.0.1:{port}/v1/jobs/{job.id}/stream"
         client = open_stream(port, job.id, "127.0.0.2")
         full = requests.get(url, timeout=5)

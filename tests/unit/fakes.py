@@ -1,7 +1,7 @@
-"""Small fakes of our own interfaces for the unit tests: the store (its jobs, runners, hosts and
-metrics parts, in memory, moving jobs by exo_tasks.lifecycle's table as the real store's script
-does), a runner's writes, a Celery task as our tasks use it, and a clock. The real-process
-tests run the real ones."""
+"""Small fakes of our own interfaces for the unit tests: the store (its jobs, streams, runners,
+hosts and metrics parts, in memory, moving jobs by exo_tasks.lifecycle's table as the real
+store's script does), a runner's writes, a Celery task as our tasks use it, and a clock. The
+real-process tests run the real ones."""
 
 from __future__ import annotations
 
@@ -65,19 +65,54 @@ class Link:
             raise redis.ConnectionError("Connection refused (fake)")
 
 
-class FakeJobs:
-    """The store's job part. `interrupt`: raised by the next wait for an ending (a signal
-    arriving in it). A wait with nothing to read passes its time on `clock`."""
+class FakeStreams:
+    """The store's stream part: each job's endings, and how many events it has. `interrupt`:
+    raised by the next wait for an ending (a signal arriving in it). A wait with nothing to
+    read passes its time on `clock`."""
 
     def __init__(self, link: Link, clock: FakeClock, runners: dict[str, RunnerState]) -> None:
         self.link, self.clock, self.runners = link, clock, runners
         self.interrupt: BaseException | None = None
-        self.records: dict[str, JobRecord] = {}
         self.endings: dict[str, list[tuple[str, DoneEvent | RequeuedEvent]]] = defaultdict(list)
         self.events: dict[str, int] = defaultdict(int)
+        self._ids = itertools.count(1)
+
+    def append(self, job_id: str, ending: DoneEvent | RequeuedEvent) -> None:
+        self.endings[job_id].append((f"{next(self._ids)}-0", ending))
+
+    def streamed_text(self, job_id: str) -> tuple[str, int]:
+        return "", 0
+
+    def read_endings(
+        self, job_id: str, after: str, block_ms: int
+    ) -> list[tuple[str, DoneEvent | RequeuedEvent]]:
+        self.link.reach()
+        if self.interrupt is not None:
+            interrupt, self.interrupt = self.interrupt, None
+            raise interrupt
+        position = int(after.split("-")[0])
+        found = [(i, e) for i, e in self.endings[job_id] if int(i.split("-")[0]) > position]
+        if not found:
+            self.clock.sleep(block_ms / 1000)
+        return found
+
+    def attempt_start(self, job_id: str) -> tuple[str, int]:
+        endings = self.endings[job_id]
+        return (endings[-1][0] if endings else "0-0"), self.events[job_id]
+
+    def runner_and_events(self, runner_id: str, job_id: str) -> tuple[RunnerState | None, int]:
+        self.link.reach()
+        return self.runners.get(runner_id), self.events[job_id]
+
+
+class FakeJobs:
+    """The store's job part; its moves append their endings to `streams`."""
+
+    def __init__(self, link: Link, streams: FakeStreams) -> None:
+        self.link, self.streams, self.runners = link, streams, streams.runners
+        self.records: dict[str, JobRecord] = {}
         self.cancel_requested: dict[str, str] = {}
         self.waiting_messages: set[str] = set()  # jobs whose message waits in its queue
-        self._ids = itertools.count(1)
 
     def add(self, job: JobRecord) -> JobRecord:
         self.records[job.id] = job
@@ -101,13 +136,10 @@ class FakeJobs:
             return False
         self.records[job.id] = record = move.record
         if record.is_terminal:
-            self._append(job.id, DoneEvent(event=lifecycle.ending_event(record), job=record))
+            self.streams.append(job.id, DoneEvent(event=lifecycle.ending_event(record), job=record))
         elif isinstance(move.event, RequeuedEvent):
-            self._append(job.id, move.event)
+            self.streams.append(job.id, move.event)
         return True
-
-    def _append(self, job_id: str, ending: DoneEvent | RequeuedEvent) -> None:
-        self.endings[job_id].append((f"{next(self._ids)}-0", ending))
 
     def end(
         self,
@@ -149,30 +181,6 @@ class FakeJobs:
     def cancel_reason(self, job_id: str) -> str | None:
         self.link.reach()
         return self.cancel_requested.get(job_id)
-
-    def streamed_text(self, job_id: str) -> tuple[str, int]:
-        return "", 0
-
-    def read_endings(
-        self, job_id: str, after: str, block_ms: int
-    ) -> list[tuple[str, DoneEvent | RequeuedEvent]]:
-        self.link.reach()
-        if self.interrupt is not None:
-            interrupt, self.interrupt = self.interrupt, None
-            raise interrupt
-        position = int(after.split("-")[0])
-        found = [(i, e) for i, e in self.endings[job_id] if int(i.split("-")[0]) > position]
-        if not found:
-            self.clock.sleep(block_ms / 1000)
-        return found
-
-    def attempt_start(self, job_id: str) -> tuple[str, int]:
-        endings = self.endings[job_id]
-        return (endings[-1][0] if endings else "0-0"), self.events[job_id]
-
-    def runner_and_events(self, runner_id: str, job_id: str) -> tuple[RunnerState | None, int]:
-        self.link.reach()
-        return self.runners.get(runner_id), self.events[job_id]
 
 
 class FakeRunners:
@@ -237,13 +245,14 @@ class FakeMetrics:
 
 
 class FakeStore:
-    """The store's job, runner, host and metric parts our Celery-side code uses, in memory,
+    """The store's job, stream, runner, host and metric parts our Celery-side code uses, in memory,
     over one fake link to Redis (`link.unreachable`)."""
 
     def __init__(self, clock: FakeClock | None = None) -> None:
         self.clock = clock or FakeClock()
         self.link = Link()
-        self.jobs = FakeJobs(self.link, self.clock, {})
+        self.streams = FakeStreams(self.link, self.clock, {})
+        self.jobs = FakeJobs(self.link, self.streams)
         self.runners = FakeRunners(self.link, self.jobs)
         self.hosts = FakeHosts()
         self.metrics = FakeMetrics()

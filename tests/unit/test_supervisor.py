@@ -1,8 +1,8 @@
-"""The runner supervisor's rules (exo_tasks.worker.supervisor, .supervision), against a fake
-store, fake runner processes and a fake clock: the stop escalation (ask → grace → SIGTERM →
-TERM_WAIT_S → SIGKILL → KILL_WAIT_S), and what a runner's exit leads to (a restart with
-backoff, bounded; none for a configuration error or an idle unload). The waits are the real
-ones, passed on the fake clock; tests/test_shutdown.py and friends run real processes."""
+"""The runner supervisor's rules (exo_tasks.worker.supervisor, .runner_exits, .supervision),
+against a fake store, fake runner processes and a fake clock: the stop escalation (ask → grace
+→ SIGTERM → TERM_WAIT_S → SIGKILL → KILL_WAIT_S), and what a runner's exit leads to (a restart
+with backoff, bounded; none for a configuration error or an idle unload). The waits are the
+real ones, passed on the fake clock; tests/test_shutdown.py and friends run real processes."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from exo_tasks.commands import RunnerCommand, StopRunner
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import process as runner_process
 from exo_tasks.runner.process import RunnerProgress
+from exo_tasks.worker import runner_exits
 from exo_tasks.worker import supervisor as supervisor_module
 from exo_tasks.worker.supervision import (
     HEALTHY_UPTIME_S,
@@ -96,6 +97,7 @@ def host(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Host:
     fake = Host(clock)
     monkeypatch.setattr(supervisor_module, "_spawn", fake)
     monkeypatch.setattr(supervisor_module, "time", clock)
+    monkeypatch.setattr(runner_exits, "time", clock)
     monkeypatch.setattr(os, "kill", fake.kill)
     monkeypatch.setattr(multiprocessing.connection, "wait", fake.wait)
     return fake

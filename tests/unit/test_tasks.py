@@ -123,7 +123,7 @@ class TestHandOver:
         job = store.jobs.add(running_elsewhere("other:1:1"))
         requeued = store.jobs.requeue(job.id)
         assert requeued is not None
-        store.jobs.events[job.id] = 5
+        store.streams.events[job.id] = 5
         attempt = self.hand_over(store, requeued)
         assert attempt is not None and (attempt.after, attempt.events_before) == ("1-0", 5)
 
@@ -239,7 +239,7 @@ class TestFollow:
 
     def test_between_waits_the_progress_report_gets_the_jobs_events(self, store: FakeStore) -> None:
         job = self.started(store)
-        store.jobs.events[job.id] = 7
+        store.streams.events[job.id] = 7
         seen: list[int] = []
 
         class Progress:
@@ -296,7 +296,7 @@ class TestSoftLimit:
     ) -> None:
         ends_jobs_it_is_told_to_cancel(store)
         job = store.jobs.add(new_job())
-        store.jobs.interrupt = SoftTimeLimitExceeded()
+        store.streams.interrupt = SoftTimeLimitExceeded()
         with pytest.raises(JobEnded, match="timed_out"):
             inference(FakeTask(store), job.id, "tiny")
         assert store.connections_dropped == 1  # the limit may have cut a reply in half

@@ -1,0 +1,171 @@
+"""The jobs in a runner's batch and the engine that steps them: how a job joins (admitted, or
+refused with its failure written with the next step), how it leaves (ended, first writer wins;
+requeued when the worker stops; expired by the runner's own clock), and the progress each move
+reports to the stall watchdog. The loop that decides when each happens is
+`exo_tasks.runner.loop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from exo_tasks import metrics
+from exo_tasks.commands import SubmitJob
+from exo_tasks.runner import intake
+from exo_tasks.runner.active_job import ActiveJob, take_step
+from exo_tasks.runner.keep_alive import KeepAlive
+from exo_tasks.runner.outbox import Outbox
+from exo_tasks.runner.process import Engine, RunnerProgress, RunnerSpec
+from exo_tasks.store import Store, UnreadableCommand
+from exo_tasks.types import FinishReason, JobStatus, utcnow
+
+log = logging.getLogger("exo_tasks.runner")
+
+
+class InFlight:
+    """The runner's jobs by id, and its engine while the model is loaded."""
+
+    def __init__(
+        self,
+        spec: RunnerSpec,
+        store: Store,
+        outbox: Outbox,
+        progress: RunnerProgress,
+        keep_alive: KeepAlive,
+    ) -> None:
+        self.spec = spec
+        self.store = store
+        self.outbox = outbox
+        self.progress = progress
+        self.keep_alive = keep_alive
+        self.jobs: dict[str, ActiveJob] = {}
+        self.engine: Engine | None = None
+
+    @property
+    def loaded(self) -> Engine:
+        """The engine, once the runner has loaded it (jobs join only then)."""
+        assert self.engine is not None, "the runner's model is not loaded"
+        return self.engine
+
+    # --- joining ---
+
+    def admit(self, command: SubmitJob) -> None:
+        # Its task marked the job running as it handed it over: nothing to write to start it.
+        job = command.job
+        try:
+            prompt = intake.prompt_tokens_of(self.loaded, job.request, self.spec.max_prompt_tokens)
+            self.loaded.add(job.id, prompt, job.request)
+        except ValueError as exc:  # the prompt's refusal, or the engine's own checks
+            self.refuse(command, str(exc))
+            return
+        except Exception as exc:
+            # Whatever else one job's input can raise (such as MLX refusing its seed) is that
+            # job's failure, never the batching loop's.
+            log.exception("job could not be admitted", extra={"job_id": job.id})
+            self.refuse(command, f"could not start the job: {type(exc).__name__}: {exc}")
+            return
+        # Counted here; the stored record shows it once the job ends.
+        usage = job.usage.model_copy(update={"prompt_tokens": len(prompt)})
+        started = job.model_copy(update={"usage": usage})
+        limits = (command.soft_deadline, command.deadline, self.spec.max_job_bytes)
+        self.jobs[job.id] = ActiveJob(started, *limits)
+        self.outbox.observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
+        self.record_progress(progressed=True)
+        log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt)})
+        self.outbox.jobs_changed()
+
+    def send_back(self, job_id: str) -> None:
+        """A job handed over while the runner stops: never started, back to the queue."""
+        self.store.runners.release_job(self.spec.runner_id, job_id)
+        self.store.jobs.requeue(job_id)
+
+    def refuse(self, command: SubmitJob, error: str) -> None:
+        """Fail a job that cannot join the batch: written with the next step's writes, and work
+        done for the stall watchdog."""
+        self.outbox.endings.append(intake.refusal(command.job, error))
+        self.record_progress(progressed=True)
+
+    def unreadable(self, command: UnreadableCommand) -> None:
+        """A message we cannot read fails the job it names now: dropped, the job would show
+        `running` until its time limits, which the message may have been unreadable for."""
+        log.error("unreadable command in the inbox", extra={"job_id": command.job_id})
+        if command.job_id is None:
+            return
+        error = f"the runner could not read the job's command: {command.error}"
+        if command.job_id in self.jobs:
+            self.end(command.job_id, JobStatus.FAILED, None, error)
+        else:  # never joined the batch, and we do not have its record
+            self.store.runners.release_job(self.spec.runner_id, command.job_id)
+            self.store.jobs.fail(command.job_id, error)
+            self.record_progress(progressed=True)
+
+    # --- stepping ---
+
+    def step(self) -> float:
+        """One step of the engine, its tokens and endings into the outbox; how long it took."""
+        started = time.monotonic()
+        deltas = self.loaded.step()
+        took_s = time.monotonic() - started
+        for job_id, ending in take_step(self.jobs, deltas, self.outbox):
+            self.end(job_id, *ending, in_engine=False)
+        # A chunk of a long prompt prefilled is progress too: a runner busy prefilling is not hung.
+        self.record_progress(progressed=bool(deltas) or self.loaded.prefill_chunks > 0)
+        return took_s
+
+    def record_progress(self, *, progressed: bool) -> None:
+        awaiting = sum(job.awaiting_first_token for job in self.jobs.values())
+        self.progress.record(
+            active=len(self.jobs), awaiting_first_token=awaiting, progressed=progressed
+        )
+
+    # --- leaving ---
+
+    def end(
+        self,
+        job_id: str,
+        status: JobStatus | str,
+        reason: FinishReason | None,
+        error: str | None = None,
+        *,
+        in_engine: bool = True,
+    ) -> None:
+        """Take a job out of the batch and record how it ended (first writer wins). `status`:
+        an ending (lifecycle.ENDINGS), by member or value."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        if in_engine:
+            self.loaded.remove(job_id)
+        self.outbox.endings.append(job.ended(JobStatus(status), reason, error))
+        self.keep_alive.idle_from(time.monotonic(), job.record.request.keep_alive)
+        log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
+        self._after_job_left()
+
+    def end_all(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> None:
+        for job_id in list(self.jobs):
+            self.end(job_id, status, reason, error)
+
+    def requeue_all(self) -> None:
+        """The worker is stopping: unfinished jobs go back to the queue for another attempt."""
+        for job_id in list(self.jobs):
+            del self.jobs[job_id]
+            self.loaded.remove(job_id)
+            self.store.jobs.requeue(job_id)
+            self.store.runners.release_job(self.spec.runner_id, job_id)
+            log.info("job requeued", extra={"job_id": job_id})
+        self._after_job_left()
+
+    def drop_expired(self) -> None:
+        """End the jobs past their time limits by our own clock (the task's hard limit kills
+        its pool child before it can tell us; the soft limit's signal can be lost), or past
+        their storage bound."""
+        now = time.time()
+        for job_id, job in list(self.jobs.items()):
+            ending = job.expiry(now) or job.over_storage()
+            if ending is not None:
+                self.end(job_id, *ending)
+
+    def _after_job_left(self) -> None:
+        self.record_progress(progressed=False)
+        self.outbox.jobs_changed()
