@@ -44,9 +44,9 @@ def cmd_down(settings: Settings, _: argparse.Namespace) -> None:
 
 
 def cmd_redis(settings: Settings, _: argparse.Namespace) -> None:
-    from exo_tasks.redis_server import run_embedded
+    from exo_tasks.redis_server import embedded_argvs, run_embedded
 
-    sys.exit(run_embedded(settings))
+    sys.exit(run_embedded(settings, embedded_argvs(settings)))
 
 
 def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
