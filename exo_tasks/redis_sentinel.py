@@ -21,6 +21,8 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis
 from pydantic import BaseModel, SecretStr
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 SCHEME = "redis+sentinel"
@@ -88,6 +90,9 @@ class Sentinels(BaseModel, frozen=True):
             "password": _secret(self.sentinel_password),
             "socket_timeout": SENTINEL_TIMEOUT_S,
             "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+            # One try, then the next Sentinel: redis-py's default retries a Sentinel that is
+            # gone 10 times with backoff (measured: 4.2 s per lookup with the first one dead).
+            "retry": Retry(NoBackoff(), 0),
         }
 
     def master(self, options: dict[str, Any], max_connections: int | None) -> redis.Redis:
