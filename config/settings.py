@@ -45,6 +45,13 @@ class Settings(BaseSettings):
         "process of the stack uses (`exo-tasks up --ha`).",
     )
     redis_sentinel_port: int = 26379
+    redis_replica_wait_ms: int = Field(
+        500,
+        ge=0,
+        description="Behind Sentinels, how long a new job's 202 waits at most for a replica to "
+        "hold it (Redis WAIT); past that, or with no replica connected, the job is accepted "
+        "all the same and the answer says `Exo-Replicated: false`. 0: never wait.",
+    )
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     api_workers: int = 2
