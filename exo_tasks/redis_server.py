@@ -166,7 +166,8 @@ def run_embedded(settings: Settings, members: list[tuple[str, list[str]]]) -> in
                     return server.returncode
         time.sleep(POLL_S)
     _wait_for_local_worker(settings, signals)
-    codes = [_stop(name, server) for name, server in reversed(servers)]
+    # What this stop did: a member that died before was reported then.
+    codes = [_stop(name, server) for name, server in reversed(servers) if name not in exited]
     return next((code for code in codes if code), 0)
 
 

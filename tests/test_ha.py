@@ -58,10 +58,10 @@ def test_the_ha_redis_replicates_and_stops_its_sentinels_first(
         return True
 
     wait_until(every_sentinel_sees_all, 10, "three Sentinels agreeing on master and replica")
-    _measure_replication(connect(url), replica, server_process(proc.pid, settings.redis_port + 1))
     members = psutil.Process(proc.pid).children()  # (a server may have an AOF rewrite child)
     assert len(members) == 5, [p.cmdline() for p in members]
     tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    _measure_replication(connect(url), replica, server_process(proc.pid, settings.redis_port + 1))
 
     started = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -110,7 +110,7 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
 def _measure_replication(master: Any, replica: Any, replica_process: psutil.Process) -> None:
     """The loss window of asynchronous replication (how long a write is on the master alone)
     and what waiting for a replica costs; a replica that stops answering is waited for no
-    longer than the bound."""
+    longer than the bound, one that is gone not at all."""
     lags, waits = [], []
     for i in range(200):
         master.set("lag", i)
@@ -135,6 +135,12 @@ def _measure_replication(master: Any, replica: Any, replica_process: psutil.Proc
         assert 0.25 < time.perf_counter() - started < 1.0
     finally:
         replica_process.send_signal(signal.SIGCONT)
+    # A replica lost: the master goes on, and says at once that nothing is replicated.
+    replica_process.send_signal(signal.SIGKILL)
+    wait_until(lambda: not master.role()[2], 5, "the master to drop its replica")
+    started = time.perf_counter()
+    assert not replicated(master, 500) and master.set("alone", "1")
+    assert time.perf_counter() - started < 0.1
 
 
 JOB = {"prompt": "failover", "max_tokens": 300, "ignore_eos": True}
