@@ -46,15 +46,20 @@ def ha_ports(settings: Settings) -> list[tuple[str, int]]:
 
 
 def current_master(settings: Settings) -> int:
-    """The server the Sentinels last named master (each rewrites its file after a failover),
-    else the first: a stack started again after a failover keeps the promoted one."""
-    path = sentinel_conf_path(settings, settings.ha_sentinel_ports[0])
-    monitor = re.compile(rf"^sentinel monitor {re.escape(settings.redis_master_name)} \S+ (\d+) ")
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if (found := monitor.match(line)) and int(found[1]) in server_ports(settings):
-                return int(found[1])
-    return settings.redis_port
+    """The server the Sentinels last named master, else the first: a stack started again after a
+    failover keeps the promoted one. Each Sentinel rewrites its file with the master it follows
+    and the epoch of that configuration; one that was down during the failover still names the
+    old master, at an older epoch."""
+    name = re.escape(settings.redis_master_name)
+    monitor = re.compile(rf"^sentinel monitor {name} \S+ (\d+) ", re.MULTILINE)
+    epoch = re.compile(rf"^sentinel config-epoch {name} (\d+)$", re.MULTILINE)
+    named = []  # (epoch, port) of each Sentinel's file
+    for port in settings.ha_sentinel_ports:
+        path = sentinel_conf_path(settings, port)
+        text = path.read_text() if path.exists() else ""
+        if (master := monitor.search(text)) and int(master[1]) in server_ports(settings):
+            named.append((int(found[1]) if (found := epoch.search(text)) else 0, int(master[1])))
+    return max(named)[1] if named else settings.redis_port
 
 
 def sentinel_conf(settings: Settings, port: int, master_port: int) -> Path:

@@ -92,6 +92,7 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
     print(f"a write with the first Sentinel gone: {lookup_s * 1e3:.1f} ms")
     assert lookup_s < 0.5  # the next Sentinel at once, not the dead one retried
 
+    assert replicated(client, 1000)  # else a master killed now may take the write with it
     server_process(proc.pid, settings.redis_port).send_signal(signal.SIGKILL)
     killed = time.monotonic()
 
@@ -105,6 +106,18 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
     print(f"two Sentinels failed over in {time.monotonic() - killed:.2f}s")
     assert client.info("server")["tcp_port"] == settings.redis_port + 1
     assert client.get("after the Sentinel") == "1"
+
+    # Started again, the HA Redis keeps the promoted server as its master, the other its replica.
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=5) == 0
+    again = processes.start([EXO_TASKS, "redis"], exo_env(**values), tmp_path / "again.log")
+    wait_for_redis(url, timeout_s=10)
+    client = connect(url)
+    assert client.info("server")["tcp_port"] == settings.redis_port + 1
+    assert client.get("after the master") == "1"
+    assert server_process(again.pid, settings.redis_port).is_running()
+    password = redis_password(settings.data_dir / "redis")
+    wait_until(lambda: _role(settings.redis_port, password) == "slave", 10, "the other a replica")
 
 
 def _measure_replication(master: Any, replica: Any, replica_process: psutil.Process) -> None:
