@@ -92,7 +92,8 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
     print(f"a write with the first Sentinel gone: {lookup_s * 1e3:.1f} ms")
     assert lookup_s < 0.5  # the next Sentinel at once, not the dead one retried
 
-    assert replicated(client, 1000)  # else a master killed now may take the write with it
+    # On the replica (once it is attached) before the kill: else the master may take it along.
+    wait_until(lambda: replicated(client, 1000), 10, "the write on the replica")
     server_process(proc.pid, settings.redis_port).send_signal(signal.SIGKILL)
     killed = time.monotonic()
 
