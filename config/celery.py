@@ -19,7 +19,8 @@ PRIORITY_STEPS = list(range(10))
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     redis_url = settings.effective_redis_url
-    transport_options = {
+    backend_options: dict[str, Any] = {"retry_policy": {"timeout": 5.0}}
+    transport_options: dict[str, Any] = {
         # Above every job's hard limit (Settings and the API check it: exo_tasks/limits.py),
         # or a long acks_late job is delivered twice (celery#5935). Only the last backstop: the
         # recovery loop requeues a dead worker's jobs long before it.
@@ -31,11 +32,18 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "priority_steps": PRIORITY_STEPS,
         "queue_order_strategy": "priority",
     }
+    sentinels = settings.sentinels
+    if sentinels is not None:
+        # kombu's `sentinel://` transport and Celery's sentinel backend: each asks the
+        # Sentinels for the master whenever it connects (exo_tasks/redis_sentinel.py).
+        redis_url = sentinels.kombu_url()
+        transport_options.update(sentinels.transport_options())
+        backend_options.update(sentinels.transport_options())
     return {
         "broker_url": redis_url,
         "result_backend": redis_url,
         "broker_transport_options": transport_options,
-        "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
+        "result_backend_transport_options": backend_options,
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",
         "result_serializer": "json",

@@ -14,7 +14,8 @@ from exo_tasks.instances import CONFIG_FORMAT, InstanceRequest, parse_instances
 
 # Names live in exo_tasks.naming; this stays importable from here for older imports.
 from exo_tasks.naming import model_slug as model_slug
-from exo_tasks.redis_auth import redis_password
+from exo_tasks.redis_auth import PASSWORD_FILE, redis_password
+from exo_tasks.redis_sentinel import Sentinels, parse_addresses
 
 # The model a host serves when EXO_MODELS is empty, made at start: the `chat` preset.
 DEFAULT_PRESET = "chat"
@@ -27,6 +28,30 @@ class Settings(BaseSettings):
     # Where things run.
     redis_url: str | None = Field(None, description="Unset: the stack runs its own redis-server.")
     redis_port: int = 6379
+    redis_sentinels: str = Field(
+        "",
+        description="host:port,... of Redis Sentinels: set, every process finds the Redis "
+        "master through them and follows a failover (instead of EXO_REDIS_URL). The master's "
+        "password is the stack's, EXO_DATA_DIR/redis/password, on every host.",
+    )
+    redis_master_name: str = Field("exo", description="The master's name at the Sentinels.")
+    redis_sentinel_password_file: Path | None = Field(
+        None, description="A file holding the Sentinels' own password; unset: none."
+    )
+    redis_ha: bool = Field(
+        False,
+        description="The stack's own Redis as a master, a replica (EXO_REDIS_PORT + 1) and "
+        "three Sentinels (EXO_REDIS_SENTINEL_PORT and the next two) on loopback, which every "
+        "process of the stack uses (`exo-tasks up --ha`).",
+    )
+    redis_sentinel_port: int = 26379
+    redis_replica_wait_ms: int = Field(
+        500,
+        ge=0,
+        description="Behind Sentinels, how long a new job's 202 waits at most for a replica to "
+        "hold it (Redis WAIT); past that, or with no replica connected, the job is accepted "
+        "all the same and the answer says `Exo-Replicated: false`. 0: never wait.",
+    )
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     api_workers: int = 2
@@ -200,11 +225,37 @@ class Settings(BaseSettings):
 
     @property
     def effective_redis_url(self) -> str:
-        """EXO_REDIS_URL, or the embedded Redis with its password (made at first use)."""
+        """The master through the Sentinels, or EXO_REDIS_URL, or the embedded Redis with its
+        password (made at first use)."""
+        if self.sentinels is not None:
+            return self.sentinels.url()
         if self.redis_url:
             return self.redis_url
         password = redis_password(self.data_dir / "redis")
         return f"redis://:{password}@127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def sentinels(self) -> Sentinels | None:
+        """EXO_REDIS_SENTINELS, or the HA stack's own, with the passwords; None: no Sentinels."""
+        addresses = parse_addresses(self.redis_sentinels)
+        password_file = self.redis_sentinel_password_file
+        if self.redis_ha:  # the stack's own, behind the stack's password
+            addresses = [("127.0.0.1", port) for port in self.ha_sentinel_ports]
+            password_file = self.data_dir / "redis" / PASSWORD_FILE
+        if not addresses:
+            return None
+        password = redis_password(self.data_dir / "redis")  # made first: the HA stack's too
+        sentinel_password = password_file.read_text().strip() if password_file else None
+        return Sentinels(
+            addresses=addresses,
+            master_name=self.redis_master_name,
+            password=SecretStr(password),
+            sentinel_password=SecretStr(sentinel_password) if sentinel_password else None,
+        )
+
+    @property
+    def ha_sentinel_ports(self) -> list[int]:
+        return [self.redis_sentinel_port + i for i in range(3)]
 
     @property
     def effective_api_url(self) -> str:
@@ -228,6 +279,17 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _limits_below_redelivery(self) -> Settings:
         limits.check_settings(self)
+        return self
+
+    @model_validator(mode="after")
+    def _one_redis(self) -> Settings:
+        parse_addresses(self.redis_sentinels)  # ValueError naming the entry
+        chosen = [self.redis_url, self.redis_sentinels, self.redis_ha]
+        if sum(map(bool, chosen)) > 1:
+            raise ValueError(
+                "set one of EXO_REDIS_URL, EXO_REDIS_SENTINELS and EXO_REDIS_HA (which runs "
+                "its own Sentinels), not two"
+            )
         return self
 
     @model_validator(mode="after")

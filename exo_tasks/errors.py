@@ -120,6 +120,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
         exc = exc.__cause__
 
 
+# What a client of a refused request waits: a Sentinel failover takes 3 to 8 s (docs/ha.md).
+REDIS_RETRY_AFTER_S = 2
+
+
+def _unreachable(exc: BaseException | None) -> bool:
+    """Redis did not answer (or has no master yet): redis-py's error, also as the cause of
+    kombu's OperationalError (a message that could not be sent)."""
+    while exc is not None:
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def render(exc: Exception, *, openai: bool) -> Rendered:
     """Any exception as an answer: invalid input 422, the project's errors their own status,
     Redis full or unreachable 503, anything else logged once and 500. `openai`: in OpenAI's
@@ -204,10 +218,11 @@ def _unexpected(exc: Exception, openai: bool) -> Rendered:
             "(EXO_REDIS_MAXMEMORY_MB, EXO_JOB_TTL_S)"
         )
         return (*error_body(full.status, full.type, full.message, openai=openai), {})
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+    if _unreachable(exc):
         log.error("redis unreachable: %s", exc)
         message = "the broker (Redis) is unreachable; retry soon"
-        return (*error_body(503, "unavailable", message, openai=openai), {})
+        retry = {"Retry-After": str(REDIS_RETRY_AFTER_S)}
+        return (*error_body(503, "unavailable", message, openai=openai), retry)
     log.exception("unhandled error")
     return (
         *error_body(500, "internal_error", "internal error; see the API logs", openai=openai),

@@ -31,6 +31,7 @@ from config.settings import Settings
 from exo_tasks.errors import ExoError
 from exo_tasks.lifeline import die_with_parent, still_running
 from exo_tasks.redis_auth import private_dir, write_private
+from exo_tasks.redis_ha import ha_ports
 
 log = logging.getLogger("exo_tasks.launcher")
 PROCFILE = Path(__file__).resolve().parent.parent / "Procfile"
@@ -217,14 +218,15 @@ def _port_holder(host: str, port: int) -> str | None:
 
 
 def check_ports(settings: Settings, names: list[str]) -> None:
-    ports = {
-        "redis": ("EXO_REDIS_PORT", "127.0.0.1", settings.redis_port),
-        "api": ("EXO_API_PORT", settings.api_host, settings.api_port),
-        "flower": ("EXO_FLOWER_PORT", "127.0.0.1", settings.flower_port),
-    }
+    ports = [
+        ("redis", "EXO_REDIS_PORT", "127.0.0.1", settings.redis_port),
+        ("api", "EXO_API_PORT", settings.api_host, settings.api_port),
+        ("flower", "EXO_FLOWER_PORT", "127.0.0.1", settings.flower_port),
+    ]
+    ports += [("redis", variable, "127.0.0.1", port) for variable, port in ha_ports(settings)]
     taken = [
         f"port {port} ({variable}) is taken by {holder}"
-        for name, (variable, host, port) in ports.items()
+        for name, variable, host, port in ports
         if name in names and (holder := _port_holder(host, port)) is not None
     ]
     if taken:
@@ -339,7 +341,8 @@ class Launcher:
 
 
 def up(settings: Settings) -> int:
-    entries = [e for e in read_procfile() if not (e.name == "redis" and settings.redis_url)]
+    external = settings.redis_url or settings.redis_sentinels
+    entries = [e for e in read_procfile() if not (e.name == "redis" and external)]
     running = running_stack(settings)
     if running is not None:
         raise ExoError(

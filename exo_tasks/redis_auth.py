@@ -27,10 +27,13 @@ def redis_password(redis_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def redis_auth_conf(redis_dir: Path) -> Path:
-    """A config file for redis-server that sets the password (`requirepass`)."""
+def redis_auth_conf(redis_dir: Path, password_dir: Path | None = None) -> Path:
+    """A config file for redis-server in `redis_dir` that sets the password (`requirepass`) of
+    `password_dir` (default: its own), and the same for reaching a master (`masterauth`): any
+    server of an HA stack may be a replica after a failover."""
+    password = redis_password(password_dir or redis_dir)
     path = redis_dir / CONF_FILE
-    write_private(path, f"requirepass {redis_password(redis_dir)}\n")
+    write_private(path, f"requirepass {password}\nmasterauth {password}\n")
     return path
 
 

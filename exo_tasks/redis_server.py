@@ -20,7 +20,8 @@ from exo_tasks.errors import ExoError
 from exo_tasks.fleet_types import HostState
 from exo_tasks.lifeline import die_with_parent, still_running
 from exo_tasks.redis_auth import private_dir, redis_auth_conf
-from exo_tasks.store import host_key
+from exo_tasks.redis_sentinel import Sentinels, is_sentinel_url
+from exo_tasks.store import connect, host_key
 
 log = logging.getLogger("exo_tasks.redis")
 POLL_S = 0.05
@@ -55,8 +56,11 @@ def find_redis_server() -> str:
     raise ExoError(INSTALL_HINT)
 
 
-def redis_server_argv(port: int, data_dir: Path, maxmemory_mb: int) -> list[str]:
-    """Run with umask PRIVATE_UMASK: redis-server writes its AOF with the process umask."""
+def redis_server_argv(
+    port: int, data_dir: Path, maxmemory_mb: int, password_dir: Path | None = None
+) -> list[str]:
+    """Run with umask PRIVATE_UMASK: redis-server writes its AOF with the process umask.
+    `password_dir`: where the password is, if not in `data_dir` (an HA stack's replica)."""
     private_dir(data_dir)
     return [
         find_redis_server(),
@@ -84,13 +88,13 @@ def redis_server_argv(port: int, data_dir: Path, maxmemory_mb: int) -> list[str]
         "--daemonize",
         "no",
         "--include",
-        str(redis_auth_conf(data_dir).resolve()),
+        str(redis_auth_conf(data_dir, password_dir).resolve()),
     ]
 
 
 def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
     """Block until Redis answers PING, so a process started beside it does not race it."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    client = connect(url)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -98,11 +102,16 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
             return
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if time.monotonic() > deadline:
-                where = sanitize_url(url)  # without its password
+                where = redis_where(url)
                 raise ExoError(f"Redis at {where} did not answer within {timeout_s:.0f}s") from exc
             time.sleep(0.1)
         finally:
             client.close()
+
+
+def redis_where(url: str) -> str:
+    """Where Redis is, without its password."""
+    return Sentinels.from_url(url).describe() if is_sentinel_url(url) else sanitize_url(url)
 
 
 def _local_worker(client: redis.Redis, host: str) -> psutil.Process | None:
@@ -117,43 +126,71 @@ def _local_worker(client: redis.Redis, host: str) -> psutil.Process | None:
         return None
 
 
-def run_embedded(settings: Settings) -> int:
-    """`exo-tasks redis`: redis-server as a child that a signal to our process group does not
-    reach (honcho signals every group at once). On SIGTERM/SIGINT/SIGHUP it waits, bounded, for
-    the local worker to finish its stop (it still needs Redis to requeue its jobs), then stops
-    redis-server cleanly (AOF flushed). A second Ctrl-C (SIGINT) stops it at once; SIGTERM may
-    come more than once from one event (see lifeline.die_with_parent)."""
+def embedded_argvs(settings: Settings) -> list[tuple[str, list[str]]]:
+    """The embedded Redis: one redis-server (the HA stack's are in exo_tasks.redis_ha)."""
+    argv = redis_server_argv(
+        settings.redis_port, settings.data_dir / "redis", settings.redis_maxmemory_mb
+    )
+    return [("redis-server", argv)]
+
+
+def run_embedded(settings: Settings, members: list[tuple[str, list[str]]]) -> int:
+    """`exo-tasks redis`: the named `members` (redis-servers, Sentinels) as children that a
+    signal to our process group does not reach (honcho signals every group at once). On
+    SIGTERM/SIGINT/SIGHUP it waits, bounded, for the local worker to finish its stop (it still
+    needs Redis to requeue its jobs), then stops them cleanly (AOF flushed) in the reverse of
+    their order. A second Ctrl-C (SIGINT) stops them at once; SIGTERM may come more than once
+    from one event (see lifeline.die_with_parent). One redis-server alone: its exit ends the
+    command; in an HA stack the others go on without it."""
     signals: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda signum, _: signals.append(signum))
-    server = subprocess.Popen(
-        redis_server_argv(
-            settings.redis_port, settings.data_dir / "redis", settings.redis_maxmemory_mb
-        ),
-        process_group=0,
-        preexec_fn=die_with_parent,
-        umask=PRIVATE_UMASK,
-    )
-    while not signals and server.poll() is None:
+    servers = [
+        (
+            name,
+            subprocess.Popen(
+                argv, process_group=0, preexec_fn=die_with_parent, umask=PRIVATE_UMASK
+            ),
+        )
+        for name, argv in members
+    ]
+    exited: set[str] = set()
+    while not signals:
+        for name, server in servers:
+            if name not in exited and server.poll() is not None:
+                exited.add(name)
+                log.error(
+                    "redis-server exited", extra={"child": name, "exitcode": server.returncode}
+                )
+                if len(servers) == 1:
+                    return server.returncode
         time.sleep(POLL_S)
-    if server.returncode is not None:
-        log.error("redis-server exited", extra={"exitcode": server.returncode})
-        return server.returncode
-    client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=1.0)
+    _wait_for_local_worker(settings, signals)
+    # What this stop did: a member that died before was reported then.
+    codes = [_stop(name, server) for name, server in reversed(servers) if name not in exited]
+    return next((code for code in codes if code), 0)
+
+
+def _wait_for_local_worker(settings: Settings, signals: list[int]) -> None:
+    client = connect(settings.effective_redis_url)
     worker = _local_worker(client, settings.hostname)
     client.close()
-    if worker is not None:
-        log.info("waiting for the worker to stop first", extra={"worker_pid": worker.pid})
-        deadline = time.monotonic() + WORKER_WAIT_S
-        while still_running(worker):
-            if signals.count(signal.SIGINT) > 1 or time.monotonic() > deadline:
-                log.warning("stopping Redis before the worker", extra={"worker_pid": worker.pid})
-                break
-            time.sleep(POLL_S)
+    if worker is None:
+        return
+    log.info("waiting for the worker to stop first", extra={"worker_pid": worker.pid})
+    deadline = time.monotonic() + WORKER_WAIT_S
+    while still_running(worker):
+        if signals.count(signal.SIGINT) > 1 or time.monotonic() > deadline:
+            log.warning("stopping Redis before the worker", extra={"worker_pid": worker.pid})
+            return
+        time.sleep(POLL_S)
+
+
+def _stop(name: str, server: subprocess.Popen[bytes]) -> int:
     server.terminate()  # redis-server's SIGTERM is its SHUTDOWN: the AOF is flushed
     try:
         return server.wait(SERVER_STOP_S)
     except subprocess.TimeoutExpired:
-        log.error("redis-server did not stop; sending SIGKILL", extra={"pid": server.pid})
+        log.error("did not stop; sending SIGKILL", extra={"child": name, "pid": server.pid})
         server.kill()
         return server.wait()

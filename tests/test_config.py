@@ -10,6 +10,7 @@ from config.celery import celery_config
 from config.settings import Settings
 from exo_tasks.errors import ExoError
 from exo_tasks.naming import host_of_queue, host_queue, model_queue, model_slug
+from exo_tasks.redis_sentinel import Sentinels
 from exo_tasks.redis_server import INSTALL_HINT, find_redis_server, redis_server_argv
 
 
@@ -111,3 +112,65 @@ def test_a_malformed_exo_instances_entry_is_refused_naming_it(value: str, words:
     with pytest.raises(ValueError, match=words.replace("(", r"\(")) as raised:
         settings(instances=value)
     assert "EXO_INSTANCES" in str(raised.value)
+
+
+def test_sentinels_unset_change_nothing(tmp_path: Path) -> None:
+    plain = settings(data_dir=tmp_path)
+    assert plain.sentinels is None
+    conf = celery_config(plain)
+    assert conf["broker_url"] == conf["result_backend"] == plain.effective_redis_url
+    assert "master_name" not in conf["broker_transport_options"]
+
+
+def test_sentinels_reach_every_redis_user(tmp_path: Path) -> None:
+    (tmp_path / "sentinel-pass").write_text("s3nt:/@pw\n")
+    ha = settings(
+        data_dir=tmp_path,
+        redis_sentinels=" a:26379, b:26380 ,c",
+        redis_master_name="main",
+        redis_sentinel_password_file=tmp_path / "sentinel-pass",
+    )
+    sentinels = ha.sentinels
+    password = (tmp_path / "redis" / "password").read_text().strip()
+    assert sentinels is not None
+    assert sentinels.addresses == [("a", 26379), ("b", 26380), ("c", 26379)]
+    # Our clients: one URL that a runner gets as it gets the plain one, read back whole.
+    assert Sentinels.from_url(ha.effective_redis_url) == sentinels
+    assert "s3nt" not in sentinels.describe() and password not in sentinels.describe()
+    # Celery: kombu's sentinel transport and Celery's sentinel backend, with the master's name
+    # and the Sentinels' password and timeouts in their options.
+    conf = celery_config(ha)
+    expected = ";".join(f"sentinel://:{password}@{h}/0" for h in ("a:26379", "b:26380", "c:26379"))
+    assert conf["broker_url"] == conf["result_backend"] == expected
+    for options in (conf["broker_transport_options"], conf["result_backend_transport_options"]):
+        assert options["master_name"] == "main"
+        assert options["sentinel_kwargs"]["password"] == "s3nt:/@pw"
+        assert options["sentinel_kwargs"]["socket_timeout"] > 0
+    assert conf["broker_transport_options"]["visibility_timeout"] == 3600
+
+
+def test_the_ha_stack_uses_its_own_sentinels_with_the_stack_password(tmp_path: Path) -> None:
+    sentinels = settings(data_dir=tmp_path, redis_ha=True, redis_sentinel_port=27000).sentinels
+    password = (tmp_path / "redis" / "password").read_text().strip()
+    assert sentinels is not None
+    assert sentinels.addresses == [("127.0.0.1", 27000), ("127.0.0.1", 27001), ("127.0.0.1", 27002)]
+    assert sentinels.master_name == "exo"
+    assert sentinels.password is not None and sentinels.sentinel_password is not None
+    assert sentinels.password.get_secret_value() == password
+    assert sentinels.sentinel_password.get_secret_value() == password
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"redis_sentinels": "a:26379,b:x"}, "'b:x' is not host:port"),
+        ({"redis_sentinels": ":26379"}, "':26379' is not host:port"),
+        ({"redis_sentinels": "a:70000"}, "'a:70000' is not host:port"),
+        ({"redis_sentinels": "a:1", "redis_url": "redis://h/0"}, "not two"),
+        ({"redis_ha": True, "redis_url": "redis://h/0"}, "not two"),
+        ({"redis_ha": True, "redis_sentinels": "a:1"}, "not two"),
+    ],
+)
+def test_bad_sentinel_settings_are_refused(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        settings(**values)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from flask import current_app
+from flask import Response, after_this_request, current_app, has_request_context
 
 from config.settings import Settings
 from exo_tasks import jobs
@@ -18,9 +19,11 @@ from exo_tasks.celery_app import ExoCelery
 from exo_tasks.errors import StorageFull
 from exo_tasks.fairness import Client
 from exo_tasks.fleet import SharedReads
+from exo_tasks.replication import replicated
 from exo_tasks.store import Store, connect
 from exo_tasks.types import JobRecord, JobRequest
 
+log = logging.getLogger("exo_tasks.api")
 # Submissions (a record, then a Celery message) that one API process runs at the same moment.
 SENDERS = 8
 
@@ -49,6 +52,8 @@ class ApiContext:
         self.streams = StreamCap(settings.max_streams)
         self.arrivals = Arrivals()
         self.prompt_door = PromptDoor(settings)
+        # Behind Sentinels a 202 waits, bounded, for a replica to hold the job (replication.py).
+        self.replica_wait_ms = settings.redis_replica_wait_ms if settings.sentinels else 0
         self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 
@@ -97,7 +102,17 @@ class ApiContext:
         self, job_request: JobRequest, job_id: str | None, where: jobs.Route, client: Client
     ) -> JobRecord:
         send = functools.partial(jobs.submit, self.store, self.celery, self.settings, client=client)
-        return self._senders.submit(send, job_request, job_id, where).result()
+        job = self._senders.submit(send, job_request, job_id, where).result()
+        if self.replica_wait_ms and not replicated(self.store.redis, self.replica_wait_ms):
+            log.warning("a job accepted on the master alone", extra={"job_id": job.id})
+            if has_request_context():  # the answer says so (a stream's headers may be sent)
+                after_this_request(_not_replicated)
+        return job
+
+
+def _not_replicated(response: Response) -> Response:
+    response.headers["Exo-Replicated"] = "false"
+    return response
 
 
 def ctx() -> ApiContext:

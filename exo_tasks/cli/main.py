@@ -29,11 +29,14 @@ def _exec(argv: list[str]) -> None:
     os.execvp(argv[0], argv)
 
 
-def cmd_up(settings: Settings, _: argparse.Namespace) -> None:
-    """The whole stack from the Procfile: redis (unless EXO_REDIS_URL is set), api, worker,
-    flower, stopped in order on Ctrl-C."""
+def cmd_up(settings: Settings, args: argparse.Namespace) -> None:
+    """The whole stack from the Procfile: redis (unless EXO_REDIS_URL or EXO_REDIS_SENTINELS
+    is set), api, worker, flower, stopped in order on Ctrl-C."""
     from exo_tasks import launcher
 
+    if args.ha:  # for every process of the stack, which inherit it
+        os.environ["EXO_REDIS_HA"] = "true"
+        settings = Settings()
     sys.exit(launcher.up(settings))
 
 
@@ -44,9 +47,11 @@ def cmd_down(settings: Settings, _: argparse.Namespace) -> None:
 
 
 def cmd_redis(settings: Settings, _: argparse.Namespace) -> None:
-    from exo_tasks.redis_server import run_embedded
+    from exo_tasks.redis_ha import ha_argvs
+    from exo_tasks.redis_server import embedded_argvs, run_embedded
 
-    sys.exit(run_embedded(settings))
+    members = ha_argvs(settings) if settings.redis_ha else embedded_argvs(settings)
+    sys.exit(run_embedded(settings, members))
 
 
 def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
@@ -185,9 +190,13 @@ def cmd_shutdown(settings: Settings, args: argparse.Namespace) -> None:
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exo-tasks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="run the whole stack (redis, api, worker, flower)").set_defaults(
-        func=cmd_up
+    up = sub.add_parser("up", help="run the whole stack (redis, api, worker, flower)")
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="Redis as a master, a replica and three Sentinels that fail over (EXO_REDIS_HA)",
     )
+    up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop the stack `up` started from this data dir").set_defaults(
         func=cmd_down
     )

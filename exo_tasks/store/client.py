@@ -9,11 +9,14 @@ from typing import Any
 import redis
 
 from exo_tasks.errors import is_out_of_memory
+from exo_tasks.redis_sentinel import Sentinels, is_sentinel_url
 
 
 def connect(url: str, *, max_connections: int | None = None) -> redis.Redis:
     """A client of its own pool; `max_connections`: a pool of at most that many, where a
-    command waits (up to the socket timeout) for a free connection instead of opening one."""
+    command waits (up to the socket timeout) for a free connection instead of opening one.
+    A `redis+sentinel://` URL: a client of the master its Sentinels name, found again on each
+    new connection (exo_tasks.redis_sentinel)."""
     # Short connect timeout: with Redis down, callers fail fast instead of hanging.
     options: dict[str, Any] = {
         "decode_responses": True,
@@ -21,6 +24,8 @@ def connect(url: str, *, max_connections: int | None = None) -> redis.Redis:
         "socket_timeout": 10.0,
         "health_check_interval": 30,
     }
+    if is_sentinel_url(url):
+        return Sentinels.from_url(url).master(options, max_connections)
     if max_connections is None:
         return redis.Redis.from_url(url, **options)
     pool = redis.BlockingConnectionPool.from_url(

@@ -232,9 +232,19 @@ def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Atte
     )
     soft_deadline, deadline = _limits(task, job).deadlines(time.time())
     command = SubmitJob(job=started, soft_deadline=soft_deadline, deadline=deadline)
-    if not store.runners.hand_over(runner_id, command):
-        return None
-    return Attempt(runner, after, events_before)
+    while True:  # through a Redis failover or restart (bounded by the task's limits)
+        try:
+            if store.runners.hand_over(runner_id, command):
+                return Attempt(runner, after, events_before)
+            # No longer queued: cancelled, or a try whose answer was lost landed (ours, then).
+            now = store.jobs.get(job.id)
+            mine = now is not None and (now.owner, now.started_at) == (
+                app.incarnation,
+                started.started_at,
+            )
+            return Attempt(runner, after, events_before) if mine else None
+        except (redis.ConnectionError, redis.TimeoutError):
+            time.sleep(REDIS_RETRY_S)  # one compare-and-set: safe to try again
 
 
 def _limits(task: Task[Any, Any], job: JobRecord) -> limits.JobLimits:

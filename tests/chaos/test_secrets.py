@@ -26,7 +26,7 @@ def test_the_password_is_made_once_and_readable_by_its_user_alone(tmp_path: Path
     password = redis_password(tmp_path / "redis")
     assert redis_password(tmp_path / "redis") == password and len(password) >= 32
     conf = redis_auth_conf(tmp_path / "redis")
-    assert conf.read_text() == f"requirepass {password}\n"
+    assert conf.read_text() == f"requirepass {password}\nmasterauth {password}\n"
     for path in (tmp_path / "redis" / "password", conf):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in (tmp_path / "redis").iterdir()] == sorted(["auth.conf", "password"])

@@ -205,6 +205,7 @@ class FakeRunners:
         self.published.append(state)
 
     def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
+        self.link.reach()
         if not self.jobs.apply(lifecycle.Move(command.job, lifecycle.HAND_OVER_FROM)):
             return False
         self.send(runner_id, command)

@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import redis
 from flask import Flask
+from kombu.exceptions import OperationalError
 from pydantic import BaseModel, ConfigDict, ValidationError
+from redis.sentinel import MasterNotFoundError
 
 from exo_tasks.api import errors as funnel
 from exo_tasks.errors import (
@@ -88,3 +90,14 @@ def test_redis_full_or_gone_is_503_and_anything_else_500() -> None:
     assert render(redis.TimeoutError("slow"), openai=False)[0] == 503
     status, body, _ = render(RuntimeError("secret detail"), openai=True)
     assert status == 500 and "secret" not in body["error"]["message"]
+
+
+def test_redis_gone_or_without_a_master_says_when_to_come_back() -> None:
+    # A failover: no master yet, or a message kombu could not send (its own error, Redis's
+    # as its cause). Each is a 503 with Retry-After, never a 500.
+    unsent = OperationalError("Error 111 connecting")
+    unsent.__cause__ = MasterNotFoundError("No master found for 'exo'")
+    for error in (redis.ConnectionError("refused"), MasterNotFoundError("none"), unsent):
+        status, body, headers = render(error, openai=False)
+        assert (status, body["error"]["type"]) == (503, "unavailable")
+        assert int(headers["Retry-After"]) > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import pytest
+import redis
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu.exceptions import DecodeError
 
@@ -132,6 +133,35 @@ class TestHandOver:
         store.jobs.add(job.model_copy(update={"status": RS.CANCELLED}))
         assert self.hand_over(store, job) is None
         assert store.runners.inboxes[RUNNER_ID] == []
+
+    def test_redis_failing_over_at_the_hand_over_is_waited_out(
+        self, store: FakeStore, clock: FakeClock
+    ) -> None:
+        # A master killed under the hand-over: its task failed and the job waited ~18 s for
+        # the recovery loop to send it again (tests/test_ha.py, 1 run of 4).
+        job = store.jobs.add(new_job())
+        prepared = tasks.Prepared(job, store.runners.get(RUNNER_ID))
+        store.link.unreachable = 2
+        started = clock.now
+        assert tasks._hand_over(cast(Any, FakeTask(store)), prepared, RUNNER_ID) is not None
+        assert clock.now - started == 2 * tasks.REDIS_RETRY_S
+        assert store.jobs.records[job.id].status == RS.RUNNING
+        assert len(store.runners.inboxes[RUNNER_ID]) == 1
+
+    def test_a_hand_over_whose_answer_was_lost_is_not_made_twice(self, store: FakeStore) -> None:
+        job = store.jobs.add(new_job())
+        landed = store.runners.hand_over
+        lost = [True]
+
+        def answer_lost(runner_id: str, command: SubmitJob) -> bool:
+            handed = landed(runner_id, command)
+            if lost.pop() if lost else False:
+                raise redis.ConnectionError("the master died before it answered (fake)")
+            return handed
+
+        store.runners.hand_over = answer_lost  # type: ignore[method-assign]
+        assert self.hand_over(store, job) is not None
+        assert len(store.runners.inboxes[RUNNER_ID]) == 1
 
     def test_a_loading_runner_is_waited_for(self, store: FakeStore, clock: FakeClock) -> None:
         loading = runner(RunnerStatus.LOADING)  # as read with the job; ready at the next look

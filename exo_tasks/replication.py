@@ -1,0 +1,34 @@
+"""Whether a replica holds what the master was given: what a 202 means behind Sentinels.
+
+Redis replicates asynchronously. `WAIT n timeout` blocks until n replicas acknowledge the last
+write *of the connection it is sent on*, and a job's record and its Celery message are written
+on other connections (the store's pool, kombu's). So a probe goes first on the connection that
+waits: replication is one ordered stream, and a replica that holds the probe holds every write
+the master took before it. The probe is a PUBLISH to a channel no one reads: propagated to the
+replicas like a write, but stored nowhere, so a full Redis (which refuses writes) takes it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+PROBE_CHANNEL = "exo:replication-probe"
+
+
+def replicated(client: Any, timeout_ms: int) -> bool:
+    """True once one replica holds every write the master took so far, False if none did
+    within `timeout_ms`, at once if the master has no replica connected, or if the master
+    went away meanwhile (what was written is accepted: never an error for it)."""
+    try:
+        _, _, replicas = client.role()
+        if not replicas:
+            return False
+        pipe = client.pipeline(transaction=False)  # one connection: the probe, then its WAIT
+        pipe.publish(PROBE_CHANNEL, "1")
+        pipe.wait(1, timeout_ms)
+        _, acknowledged = pipe.execute()
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+    return int(acknowledged) >= 1
