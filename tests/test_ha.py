@@ -227,7 +227,7 @@ def test_killing_the_master_under_load_costs_seconds_not_jobs(
     events: list[dict[str, Any]] = []
     reader = threading.Thread(target=_stream, args=(stack.api, ids[0], events), daemon=True)
     reader.start()
-    wait_until(lambda: store.jobs.streamed_text(ids[0])[1] >= 3, 20, "tokens of the first job")
+    wait_until(lambda: store.streams.streamed_text(ids[0])[1] >= 3, 20, "tokens of the first job")
     tree = stack.tree()
     old_port = master_port(settings)
     master = server_process(tree[0].pid, old_port)
@@ -250,7 +250,7 @@ def test_killing_the_master_under_load_costs_seconds_not_jobs(
         job = stack.job(job_id)
         assert job["status"] == "succeeded", job
         assert job["usage"]["completion_tokens"] == job["request"]["max_tokens"], job
-        dones = [e for _, e in store.jobs.read_events(job_id) if e.event == "done"]
+        dones = [e for _, e in store.streams.read_events(job_id) if e.event == "done"]
         assert len(dones) == 1, (job_id, dones)
     reader.join(timeout=30)
     assert events and events[-1]["event"] in ("done", "error"), events[-3:]
