@@ -155,18 +155,24 @@ def run_embedded(settings: Settings, members: list[tuple[str, list[str]]]) -> in
         for name, argv in members
     ]
     exited: set[str] = set()
-    while not signals:
+
+    def note_exits() -> None:
         for name, server in servers:
             if name not in exited and server.poll() is not None:
                 exited.add(name)
                 log.error(
                     "redis-server exited", extra={"child": name, "exitcode": server.returncode}
                 )
-                if len(servers) == 1:
-                    return server.returncode
+
+    while not signals:
+        note_exits()
+        if len(servers) == 1 and exited:
+            return servers[0][1].returncode or 0
         time.sleep(POLL_S)
     _wait_for_local_worker(settings, signals)
-    # What this stop did: a member that died before was reported then.
+    # What this stop did: a member that died before it (in the last poll's gap included) is
+    # reported as such, not as this stop's failure.
+    note_exits()
     codes = [_stop(name, server) for name, server in reversed(servers) if name not in exited]
     return next((code for code in codes if code), 0)
 
