@@ -11,7 +11,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import requests
 
 from config.settings import Settings
@@ -20,15 +19,13 @@ from exo_tasks.launcher import stop_stages
 from exo_tasks.naming import instance_queue
 from exo_tasks.store import Store
 from tests.support.instances import listening, pids_and_ports
+from tests.support.launcher import LocalStack, launcher_env
 from tests.support.processes import (
     EXO_TASKS,
     Processes,
     embedded_redis_url,
-    exo_env,
-    free_port,
     has_exited,
     start_redis,
-    wait_http,
     wait_until,
 )
 from tests.support.workers import start_worker
@@ -43,27 +40,16 @@ STACK_STOP_S = sum(stage.bound_s for stage in stop_stages(Settings(_env_file=Non
 def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
     processes: Processes, tmp_path: Path, tiny_model: Path, gamma_model: Path
 ) -> None:
-    data_dir, redis_port = tmp_path / "var", free_port()
-    env = exo_env(
-        api_port=free_port(),
-        flower_port=free_port(),
-        redis_port=redis_port,
-        data_dir=data_dir,
-        hostname=HOSTS[0],
-        models=tiny_model,
-        instances=f"{gamma_model}@{','.join(HOSTS)}",
-        worker_concurrency=8,
-        api_workers=1,
+    data_dir = tmp_path / "var"
+    env = launcher_env(
+        data_dir, hostname=HOSTS[0], models=tiny_model, instances=f"{gamma_model}@{','.join(HOSTS)}"
     )
-    env["PYTHONUNBUFFERED"] = "1"
-    api = f"http://127.0.0.1:{env['EXO_API_PORT']}"
-    log_path = tmp_path / "stack.log"
-    launcher = processes.start([EXO_TASKS, "up"], env, log_path)
-    wait_http(api + "/readyz", launcher, log_path, timeout_s=90)
-    redis_url = embedded_redis_url(data_dir / "redis", redis_port)
+    stack = LocalStack(processes, data_dir, env, tmp_path / "stack.log")
+    stack.up()
+    redis_url = embedded_redis_url(data_dir / "redis", stack.redis_port)
     (tmp_path / "b").mkdir()
     worker_b = start_worker(processes, redis_url, HOSTS[1], [tiny_model], tmp_path / "b")
-    store = Store.from_url(redis_url)
+    store = stack.store()
 
     def ready() -> bool:
         assert worker_b.process.poll() is None, worker_b.log_text()[-3000:]
@@ -73,16 +59,14 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
     wait_until(ready, START_TIMEOUT_S, "the instance Ready", 0.2)
     (instance,) = store.instances.all()
     answer = requests.post(
-        f"{api}/v1/jobs",
+        f"{stack.api}/v1/jobs",
         json={"model": instance.model, "prompt": "long", "max_tokens": 4000, "ignore_eos": True},
         timeout=10,
     )
     job_id = answer.json()["id"]
     wait_until(lambda: store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
     pids, ports = pids_and_ports(store.instances.get(instance.id) or instance)
-    root = psutil.Process(launcher.pid)
-    tree = [root, *root.children(recursive=True)]
-    processes.extra_pids.update(p.pid for p in tree)
+    tree = stack.tree()
     assert pids[0] in {p.pid for p in tree}, "rank 0 runs under the stack's worker"
 
     started = time.monotonic()
@@ -99,7 +83,7 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
     # What the stack left in its Redis (its AOF), read with a redis-server of our own: the
     # instance shut down while Redis was still up, naming the host that left, and the job went
     # back to the instance's queue.
-    redis = start_redis(processes, data_dir / "redis", port=redis_port)
+    redis = start_redis(processes, data_dir / "redis", port=stack.redis_port)
     after = Store.from_url(redis.url)
     record = after.instances.get(instance.id)
     assert record is not None and record.status is InstanceStatus.FAILED, record
@@ -110,7 +94,7 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
 
     # Within the stack's own bound, each stage in time (no SIGKILL from the launcher), and
     # every rank exited on its own (exit 0: Shutdown).
-    log = log_path.read_text(errors="replace")
+    log = stack.log_text()
     assert "did not stop in time" not in log, log[-3000:]
     assert took < STACK_STOP_S, f"every process gone only {took:.1f}s after `down`"
     assert [r.status for r in record.ranks] == ["Shutdown", "Shutdown"], record.ranks
