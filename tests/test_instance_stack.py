@@ -7,8 +7,9 @@ Real processes, real signals, default settings."""
 
 from __future__ import annotations
 
-import subprocess
+import re
 import time
+from datetime import datetime
 from pathlib import Path
 
 import requests
@@ -16,7 +17,7 @@ import requests
 from config.settings import Settings
 from exo_tasks.instances import InstanceStatus
 from exo_tasks.launcher import stop_stages
-from exo_tasks.naming import instance_queue
+from exo_tasks.naming import instance_queue, instance_runner_id
 from exo_tasks.store import Store
 from tests.support.instances import listening, pids_and_ports
 from tests.support.launcher import LocalStack, launcher_env
@@ -35,6 +36,17 @@ HOSTS = ("stack-a", "stack-b")
 START_TIMEOUT_S = 120.0
 # The launcher's own bound for the whole stack: each stage's, one after the other.
 STACK_STOP_S = sum(stage.bound_s for stage in stop_stages(Settings(_env_file=None)))
+# From rank 0's "runner stopped cleanly" to its worker's "rank exited" (which follows a few Redis
+# writes): 0.03-0.08 s measured. It was 0.6-1.8 s while the runner's interpreter tore down
+# MLX, mlx-lm and transformers, and the launcher SIGKILLed the worker past its stage.
+RANK_EXIT_S = 0.3
+
+
+def logged_at(log: str, pattern: str) -> float:
+    """When the first line of `log` that matches `pattern` was written (its logfmt `ts`)."""
+    found = re.search(rf"ts=(\S+) [^\n]*{pattern}", log)
+    assert found is not None, f"no line matches {pattern}"
+    return datetime.fromisoformat(found.group(1)).timestamp()
 
 
 def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
@@ -69,14 +81,23 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
     tree = stack.tree()
     assert pids[0] in {p.pid for p in tree}, "rank 0 runs under the stack's worker"
 
+    # The launcher's bound runs from its signal: `down` says so as it sends it. (The command's
+    # own start, its imports, comes first: 0.7 s on an idle machine, 1.2-3.3 s here beside the
+    # decoding instance.)
+    down_log = tmp_path / "down.log"
+    launched = time.monotonic()
+    down = processes.start([EXO_TASKS, "down"], env, down_log)
+    wait_until(lambda: "stopping the stack" in down_log.read_text(), 60, "`down`'s signal", 0.01)
     started = time.monotonic()
-    down = subprocess.run([EXO_TASKS, "down"], env=env, capture_output=True, text=True, timeout=60)
-    assert down.returncode == 0, down.stderr
+    assert down.wait(timeout=60) == 0, down_log.read_text()
     every = [p.pid for p in tree] + pids  # rank 1 (host b's) included
     # Waited for past the bound, so that a slow stop still shows everything else it did.
     wait_until(lambda: all(has_exited(p) for p in every), 4 * STACK_STOP_S, "every process gone")
     took = time.monotonic() - started
-    print(f"`exo-tasks down` with an instance: every process and rank gone in {took:.2f}s")
+    print(
+        f"`exo-tasks down` with an instance: every process and rank gone {took:.2f}s after its "
+        f"signal ({started - launched:.2f}s to start the command)"
+    )
     assert not any(listening(p) for p in ports), "a ring port is still held"
     assert worker_b.process.poll() is None, "host b's worker is no part of the stack"
 
@@ -96,5 +117,9 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
     # every rank exited on its own (exit 0: Shutdown).
     log = stack.log_text()
     assert "did not stop in time" not in log, log[-3000:]
-    assert took < STACK_STOP_S, f"every process gone only {took:.1f}s after `down`"
+    assert took < STACK_STOP_S, f"every process gone only {took:.1f}s after `down`'s signal"
+    rank0 = re.escape(instance_runner_id(instance.id, 0))
+    stopped = logged_at(log, f'msg="runner stopped cleanly" runner={rank0} ')
+    exited = logged_at(log, f'msg="rank exited" .*runner={rank0} ')
+    assert exited - stopped < RANK_EXIT_S, f"rank 0 exited {exited - stopped:.2f}s after its stop"
     assert [r.status for r in record.ranks] == ["Shutdown", "Shutdown"], record.ranks
