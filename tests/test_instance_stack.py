@@ -76,7 +76,7 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
         timeout=10,
     )
     job_id = answer.json()["id"]
-    wait_until(lambda: store.jobs.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
+    wait_until(lambda: store.streams.streamed_text(job_id)[1] >= 3, 30, "the job's first tokens")
     pids, ports = pids_and_ports(store.instances.get(instance.id) or instance)
     tree = stack.tree()
     assert pids[0] in {p.pid for p in tree}, "rank 0 runs under the stack's worker"
