@@ -32,6 +32,7 @@ from exo_tasks.store.keys import (
     endings_key,
     events_key,
     host_key,
+    hub_wake_key,
     job_key,
     runner_key,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "endings_key",
     "events_key",
     "host_key",
+    "hub_wake_key",
     "job_key",
     "redis_waits",
     "runner_key",
