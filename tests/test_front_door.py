@@ -369,7 +369,7 @@ def add_tokens(store: Store, job_id: str, count: int) -> None:
 def test_a_stream_that_falls_behind_its_buffer_is_cut_off_and_one_that_keeps_up_is_not(
     redis_server: RedisServer, store: Store
 ) -> None:
-    hub = EventHub(lambda: connect(redis_server.url), buffer_events=5)
+    hub = EventHub(lambda: connect(redis_server.url), buffer_events=5, waker=store.redis)
     job_id = f"behind-{time.monotonic_ns()}"
     with hub.subscribe(job_id, "0-0") as slow, hub.subscribe(job_id, "0-0") as steady:
         seen = []

@@ -1,11 +1,20 @@
-"""Resumable job streams: GET /v1/jobs/<id>/stream with Last-Event-ID loses and repeats nothing."""
+"""Resumable job streams: GET /v1/jobs/<id>/stream with Last-Event-ID loses and repeats
+nothing; a stream that joins the API's one reader mid-read gets its events at once."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import pytest
+
+from exo_tasks.api import streams
+from exo_tasks.api.streams import EventHub
+from exo_tasks.store import Store, connect, events_key
+from exo_tasks.types import TokenEvent
 from tests.support import sse
 from tests.support.clients import HOST_A
+from tests.support.processes import RedisServer, wait_until
 from tests.support.stack import Stack
 
 
@@ -44,3 +53,26 @@ def test_a_stream_resumed_mid_run_loses_and_repeats_nothing(stack: Stack) -> Non
     assert [t["index"] for t in tokens] == list(range(job["usage"]["completion_tokens"]))
     assert "".join(t["text"] for t in tokens) == job["output"]["text"]
     assert len(tokens) == 1500 and rest[0]["data"]["index"] == 25
+
+
+def test_a_stream_that_joins_while_the_reader_waits_gets_its_events_at_once(
+    redis_server: RedisServer, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader waits in one XREAD for the streams it holds; a stream that joins meanwhile
+    wakes it instead of waiting for the read's slice to end (a long slice here, to tell one
+    from the other)."""
+    monkeypatch.setattr(streams, "READ_SLICE_MS", 5000)
+    hub = EventHub(lambda: connect(redis_server.url), buffer_events=16, waker=store.redis)
+    quiet, joining = f"quiet-{time.monotonic_ns()}", f"joining-{time.monotonic_ns()}"
+    with hub.subscribe(quiet, "0-0"):
+        time.sleep(0.5)  # the reader is in its XREAD of the quiet job's stream
+        with hub.subscribe(joining, "0-0") as sub:
+            event = TokenEvent(index=0, text="a")
+            store.redis.xadd(
+                events_key(joining), {"event": "token", "data": event.model_dump_json()}
+            )
+            started = time.monotonic()
+            wait_until(lambda: sub.items, 10, "the joining stream's event")
+            took_s = time.monotonic() - started
+    store.redis.delete(events_key(joining))
+    assert took_s < 1.0, took_s

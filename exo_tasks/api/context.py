@@ -48,7 +48,7 @@ class ApiContext:
         self.reads = SharedReads(self.store)
         # The process's one reader of job streams, on its own connection.
         url = settings.effective_redis_url
-        self.hub = EventHub(lambda: connect(url), settings.stream_buffer_events)
+        self.hub = EventHub(lambda: connect(url), settings.stream_buffer_events, self.store.redis)
         self.streams = StreamCap(settings.max_streams)
         self.arrivals = Arrivals()
         self.prompt_door = PromptDoor(settings)

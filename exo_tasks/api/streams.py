@@ -9,6 +9,11 @@ streams. Each subscriber buffers at most EXO_STREAM_BUFFER_EVENTS events: one wh
 reads slower than its job generates is cut off (`StreamOverflow`) instead of growing without
 bound, and the runner never waits for anyone. `StreamCap` counts open streams against
 EXO_MAX_STREAMS.
+
+A stream that joins while the reader waits in its XREAD wakes it: an entry in the hub's own
+wake stream, which every XREAD reads too (one write per read at most, however many streams
+join meanwhile). Without it a new stream's events waited for the read's slice to end: a
+1-token job took ~200 ms end to end, ~190 of them here.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,15 +33,16 @@ import redis
 from pydantic import TypeAdapter
 
 from exo_tasks.errors import StreamsFull
-from exo_tasks.store import Store, events_key
+from exo_tasks.store import Store, events_key, hub_wake_key
 from exo_tasks.types import DoneEvent, JobEvent
 
 log = logging.getLogger("exo_tasks.api.streams")
 _event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
 
-# The reader's XREAD waits this long for any event: a stream that joins meanwhile gets its
-# first events at most this late (its first byte, a keepalive, goes out at once).
+# The reader's XREAD waits this long for any event (a stream that joins meanwhile wakes it).
 READ_SLICE_MS = 200
+# The wake stream of a process that died goes with it: each wake renews this.
+WAKE_TTL_S = 3600
 # Entries taken per stream and read: one reply stays small even when many jobs run.
 READ_COUNT = 256
 # While events flow, each XREAD returns at once and names every open stream's job again: reads
@@ -105,14 +112,23 @@ class Subscription:
 class EventHub:
     """The one reader of an API process, and the subscriptions it feeds."""
 
-    def __init__(self, connect: Callable[[], redis.Redis], buffer_events: int) -> None:
+    def __init__(
+        self, connect: Callable[[], redis.Redis], buffer_events: int, waker: redis.Redis
+    ) -> None:
+        """`connect`: the reader's own connection; `waker`: the process's shared client, which
+        writes the wakes (the reader's connection is the one waiting)."""
         self._connect = connect
         self.buffer_events = buffer_events
+        self._waker = waker
         self._lock = threading.Lock()
         self._subscribers: dict[str, set[Subscription]] = {}
         self._cursors: dict[str, str] = {}  # job id → the last stream id read for it
         self._wake = threading.Event()
         self._reader: threading.Thread | None = None
+        self._wake_key = hub_wake_key(uuid.uuid4().hex)
+        self._wake_cursor = "0-0"
+        self._reading = False  # the reader waits in an XREAD of the streams it last took
+        self._woken = False  # a wake is written for that XREAD
 
     @property
     def subscribed_jobs(self) -> int:
@@ -132,7 +148,11 @@ class EventHub:
             if cursor is None or stream_id(after) < stream_id(cursor):
                 self._cursors[job_id] = after
             self._start_reader()
+            wake_reader = self._reading and not self._woken
+            self._woken = self._woken or wake_reader
         self._wake.set()
+        if wake_reader:
+            self._wake_read()
         try:
             yield sub
         finally:
@@ -149,16 +169,28 @@ class EventHub:
             self._reader = threading.Thread(target=self._run, name="exo-event-hub", daemon=True)
             self._reader.start()
 
+    def _wake_read(self) -> None:
+        """Make the reader's XREAD return, so that it reads the streams that joined it."""
+        try:
+            with self._waker.pipeline(transaction=False) as pipe:
+                pipe.xadd(self._wake_key, {"wake": 1}, maxlen=1)
+                pipe.expire(self._wake_key, WAKE_TTL_S)
+                pipe.execute()
+        except redis.RedisError as exc:  # the stream's events come at the read's end instead
+            log.warning("waking the stream reader failed", extra={"error": str(exc)})
+
     def _run(self) -> None:
         client = self._connect()
         while True:
             with self._lock:
                 jobs = {events_key(job_id): job_id for job_id in self._cursors}
                 streams: dict[Any, Any] = {k: self._cursors[j] for k, j in jobs.items()}
+                self._reading, self._woken = bool(streams), False
             if not streams:
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
+            streams[self._wake_key] = self._wake_cursor
             started = time.monotonic()
             try:
                 reply: Any = client.xread(streams, count=READ_COUNT, block=READ_SLICE_MS)
@@ -167,7 +199,10 @@ class EventHub:
                 time.sleep(1.0)
                 continue
             for key, entries in reply or []:
-                self._dispatch(jobs[key], entries)
+                if key == self._wake_key:
+                    self._wake_cursor = entries[-1][0]
+                else:
+                    self._dispatch(jobs[key], entries)
             gap_s = min(MAX_READ_GAP_S, READ_GAP_PER_STREAM_S * len(streams))
             time.sleep(max(0.0, started + gap_s - time.monotonic()))
 

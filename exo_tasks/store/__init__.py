@@ -34,6 +34,7 @@ from exo_tasks.store.keys import (
     endings_key,
     events_key,
     host_key,
+    hub_wake_key,
     job_key,
     runner_key,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "endings_key",
     "events_key",
     "host_key",
+    "hub_wake_key",
     "job_key",
     "redis_waits",
     "runner_key",

@@ -34,6 +34,12 @@ def client_key(client: str, priority: str) -> str:
     return f"{PREFIX}:client:{client}:waiting:{priority}"
 
 
+def hub_wake_key(hub_id: str) -> str:
+    """A stream an API process's event reader reads with its jobs' streams: an entry wakes its
+    blocking read (exo_tasks.api.streams)."""
+    return f"{PREFIX}:hub:{hub_id}:wake"
+
+
 def events_key(job_id: str) -> str:
     return job_key(job_id, "events")
 
