@@ -1,8 +1,7 @@
 """A pool child forked while one of the worker's threads is inside a Redis call can still use
 Redis. Celery forks its pool children after the heartbeat, recovery and supervisor threads
 started; a child that inherited the Redis pool's lock held by one of them waited for ever on
-its first job (seen in the chaos suite: a job received, never started, for six minutes).
-And a pool child keeps the worker's pages shared: it costs little memory of its own."""
+its first job (seen in the chaos suite: a job received, never started, for six minutes)."""
 
 from __future__ import annotations
 
@@ -11,21 +10,16 @@ import signal
 import threading
 import time
 
-import psutil
 from celery.signals import worker_process_init
 
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.worker.app import create_worker_app
 from tests.support.api import api_settings
 from tests.support.processes import RedisServer
-from tests.support.stack import Stack
 
 FORKS = 300
 THREADS = 4
 CHILD_BOUND_S = 10.0
-# A pool child's private memory (an idle one of the worker's defaults): ~7.5 MiB once the
-# worker's objects are frozen just before the fork, ~15 MiB when the collector unshared them.
-CHILD_PRIVATE_MIB = 11
 
 
 def _run_child(app: ExoCelery) -> None:
@@ -88,20 +82,3 @@ def test_a_pool_child_forked_while_a_thread_uses_redis_gets_an_answer(
         os.waitpid(pid, 0)
     assert not hung, f"{len(hung)} of {FORKS} children never got Redis's answer"
     assert set(exits.values()) == {0}
-
-
-def private_dirty_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/smaps_rollup") as rollup:
-        for line in rollup:
-            if line.startswith("Private_Dirty:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no Private_Dirty for {pid}")
-
-
-def test_pool_children_keep_the_workers_pages_shared(stack: Stack) -> None:
-    worker = psutil.Process(stack.worker.pid)
-    # Forked children run the worker's own command line; the runner and the feeder are spawned.
-    pool = [c for c in worker.children() if c.cmdline() == worker.cmdline()]
-    assert len(pool) >= 2
-    private = sorted(private_dirty_mib(child.pid) for child in pool)
-    assert private[len(private) // 2] <= CHILD_PRIVATE_MIB, private

@@ -138,10 +138,6 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
         self.feeder = batch_process.start(worker.app.settings, worker.app.incarnation)
         super().start(worker)
         self.keeper.start()
-        # The pool forks its children next (it requires this step): every object made so far
-        # is left out of the cycle collector's passes, which would write to the pages holding
-        # them and unshare them from the children, child by child.
-        gc.freeze()
 
 
 def _held_delivery_tags() -> list[str]:
@@ -234,4 +230,7 @@ def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]
 def main(settings: Settings, concurrency: int | None = None) -> None:
     configure_logging(settings.log_level, host=settings.hostname, process="worker")
     app = create_worker_app(settings)
+    # Children are forked from here: keep what exists now out of the cycle collector's way so
+    # copy-on-write pages stay shared.
+    gc.freeze()
     app.worker_main(worker_argv(settings, concurrency))
