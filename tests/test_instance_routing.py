@@ -24,6 +24,7 @@ from exo_tasks.store import Store, job_key
 from tests.support.api import Api
 from tests.support.held_hosts import held_hosts, held_incarnation, held_runner, move_instance
 from tests.support.metrics import scrape, value
+from tests.support.processes import wait_until
 from tests.support.stack import Stack, TwoHosts
 
 HELD = ("held-a", "held-b")
@@ -46,13 +47,22 @@ def place(api: Api, placed: list[str], model: str) -> str:
     return instance_id
 
 
-def queued_job(api: Api, **body: Any) -> dict[str, Any]:
-    """A job accepted for a model an instance serves, cancelled (it would wait for rank 0)."""
+def accepted_job(api: Api, **body: Any) -> dict[str, Any]:
+    """A job accepted for a model an instance serves, still queued (no rank 0 takes it)."""
     response = api.post("/v1/jobs", json={**JOB, **body})
     assert response.status_code == 202, response.text
     job: dict[str, Any] = api.get(f"/v1/jobs/{response.json()['id']}").json()
+    return job
+
+
+def cancelled(api: Api, job: dict[str, Any]) -> dict[str, Any]:
     assert api.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
     return job
+
+
+def queued_job(api: Api, **body: Any) -> dict[str, Any]:
+    """A job accepted for a model an instance serves, cancelled (it would wait for rank 0)."""
+    return cancelled(api, accepted_job(api, **body))
 
 
 def refused(api: Api, **body: Any) -> tuple[int, str]:
@@ -72,10 +82,13 @@ def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
 
     queue = instance_queue(instance_id)
     depth = store.jobs.queue_depth(queue)
-    job = queued_job(api, model="gamma")
+    job = accepted_job(api, model="gamma")
     assert job["instance"] == instance_id and job["model"] == "gamma"
     assert store.redis.hget(job_key(job["id"]), "queue") == queue
     assert store.jobs.queue_depth(queue) == depth + 1
+    # Cancelled, it waits in no queue: the workers' revoke withdraws its message.
+    cancelled(api, job)
+    wait_until(lambda: store.jobs.queue_depth(queue) == depth, timeout_s=10, what="its message withdrawn")
     # Pinned to one of its hosts: the instance's queue too; to another host: none serves it.
     assert queued_job(api, model="gamma", host="held-b")["instance"] == instance_id
     status, message = refused(api, model="gamma", host="host-a")
