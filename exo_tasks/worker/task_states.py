@@ -84,7 +84,7 @@ def finish(
     failed or timed-out one raises JobEnded, the task's FAILURE. A job still running (a
     duplicate message, while another attempt runs it) leaves the task's state to that attempt.
     `max_tokens`: the job's, when `job` is an ending without its request."""
-    soft_limit.job_ended()
+    soft_limit.decided()
     if job is None:  # unknown, or expired
         return {"job_id": job_id, "status": "unknown"}
     if isinstance(job, JobRecord):

@@ -1,8 +1,9 @@
-"""A soft time limit that arrives once the task knows how its job ended changes nothing
-(exo_tasks.worker.soft_limit), through Celery's own tracer: the limit's signal is sent to the
+"""A soft time limit that arrives once the task's outcome is decided changes nothing
+(exo_tasks.worker.soft_limit). Through Celery's own tracer, the limit's signal is sent to the
 test's process while the tracer stores the task's outcome, where a timed-out job's JobEnded
 was replaced by SoftTimeLimitExceeded() when the worker's main process signalled a moment
-after the runner had ended the job at the same deadline."""
+after the runner had ended the job at the same deadline; then for the task's other outcomes,
+a failure and a requeue."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from celery import Celery, Task, states
 from celery.app.trace import build_tracer
 from celery.backends.cache import CacheBackend
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 
+from exo_tasks.errors import RunnerGone
+from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.types import JobRecord, JobStatus
-from exo_tasks.worker import task_states
+from exo_tasks.worker import soft_limit, task_states, tasks
 from exo_tasks.worker.task_states import JobEnded
-from tests.unit.fakes import RUNNER_ID, new_job
+from tests.unit.fakes import RUNNER_ID, FakeStore, FakeTask, clock_of, new_job, runner
 
 SOFT_S = 1.0
 
@@ -35,7 +38,7 @@ class LimitWhileStoring(CacheBackend):
     def store_result(self, *args: Any, **kwargs: Any) -> Any:
         if not self.signalled:
             self.signalled = True
-            os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before the next line
+            limit_now()
         return super().store_result(*args, **kwargs)
 
 
@@ -105,3 +108,27 @@ def test_the_next_task_is_limited_again(app: Celery) -> None:
         return "not limited"
 
     assert trace(app, limited, limit_while_storing=False)[0] == "limited"
+
+
+def limit_now() -> None:
+    os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before the next line
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [(RunnerStatus.FAILED, RunnerGone), (RunnerStatus.SHUTDOWN, Reject)],
+    ids=["failed", "requeued"],
+)
+def test_a_limit_after_the_task_failed_or_requeued_its_job_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, status: RunnerStatus, outcome: type[Exception]
+) -> None:
+    store = FakeStore(clock_of(monkeypatch, tasks))
+    store.runners.states[RUNNER_ID] = runner(status, error="bad weights")
+    job = store.jobs.add(new_job())
+    soft_limit.arm()
+    with pytest.raises(outcome):
+        cast(Any, tasks.inference).__wrapped__.__func__(FakeTask(store), job.id, "tiny")
+    limit_now()  # as while Celery stores the failure or requeues the message
+    soft_limit.arm()  # the next task's
+    with pytest.raises(SoftTimeLimitExceeded):
+        limit_now()
