@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck bench clean reliability-report
+.PHONY: setup browser run test lint typecheck bench clean reliability-report
 
 setup: $(STAMP)
 
@@ -15,6 +15,16 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+# The headless browser of tests/test_flower_pages.py: Debian's Chromium where apt-get is and we
+# are root (CI), else Playwright's own build (a download of its own, which CI's network refuses).
+browser: setup
+	@if command -v chromium >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends chromium \
+		|| { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }; \
+	else $(BIN)/playwright install chromium; fi
 
 run: setup
 	$(BIN)/exo-tasks up
@@ -31,7 +41,7 @@ typecheck: setup
 # bounds failed from the CPU contention; more cores can set TEST_WORKERS.
 TEST_WORKERS ?= 0
 
-test: lint typecheck
+test: lint typecheck browser
 	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile
 
 # The chaos suite writes its report to var/reports/ on every run; publish the last one.

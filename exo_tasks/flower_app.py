@@ -1,5 +1,6 @@
 """The Celery app as Flower loads it (`celery -A exo_tasks.flower_app flower`), with Flower's
-`/metrics` behind Flower's own auth, and its API's 401 asking for basic auth.
+`/metrics` behind Flower's own auth, its API's 401 asking for basic auth, and its pages showing
+what is current (exo_tasks.flower_pages).
 
 Flower 2.2.0 checks basic auth only in handlers marked `@authenticated`; its Prometheus
 `/metrics` is not, so it answers anyone who can connect, whatever `--basic-auth` says.
@@ -25,6 +26,7 @@ import tornado.web
 from flower.api import BaseApiHandler
 from flower.views.monitor import Metrics
 
+from exo_tasks import flower_pages
 from exo_tasks.worker.app import app
 
 __all__ = ["app"]
@@ -57,3 +59,4 @@ def _unless_unanswered(record: logging.LogRecord) -> bool:
 Metrics.prepare = _authenticated
 BaseApiHandler.write_error = _api_error_with_challenge
 logging.getLogger("flower.inspector").addFilter(_unless_unanswered)
+flower_pages.install()

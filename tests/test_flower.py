@@ -9,8 +9,6 @@ import ast
 import functools
 import re
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,84 +19,15 @@ from celery import states
 from celery.result import AsyncResult
 
 from exo_tasks.naming import host_queue
-from tests.support.processes import EXO_TASKS, Processes, exo_env, free_port, wait_until
+from tests.support.flower import AUTH, Flower
+from tests.support.processes import Processes, wait_until
 from tests.support.stack import LONG, Stack, TwoHosts, new_worker, wait_tokens
 from tests.support.workers import runner_state
 
-AUTH = ("admin", "s3cret")
 BY_API = "cancelled through the API"
 BY_REVOKE = "revoked in Flower (or by celery control revoke)"
 BETA = {"model": "beta"}  # served by fleet-y only
 BETA_RUNNER = "beta@fleet-y"
-
-
-@dataclass
-class Flower:
-    url: str
-    process: Any
-    log_path: Path
-
-    def get(self, path: str, **kwargs: Any) -> requests.Response:
-        assert self.process.poll() is None, self.log_path.read_text()[-2000:]
-        return requests.get(self.url + path, timeout=10, **kwargs)
-
-    def tasks(self, **params: Any) -> dict[str, Any]:
-        tasks: dict[str, Any] = self.get("/api/tasks", auth=AUTH, params=params).json()
-        return tasks
-
-    def task(self, task_id: str) -> dict[str, Any]:
-        info: dict[str, Any] = self.get(f"/api/task/info/{task_id}", auth=AUTH).json()
-        return info
-
-    def left_state(self, task_id: str, state: str) -> bool:
-        return self.task(task_id).get("state") != state
-
-    def wait_state(self, task_id: str, state: str, timeout_s: float = 15) -> dict[str, Any]:
-        info: dict[str, Any] = wait_until(
-            lambda: (i := self.task(task_id)).get("state") == state and i,
-            timeout_s,
-            f"Flower to show task {task_id} {state}",
-            interval_s=0.2,
-        )
-        return info
-
-    def revoke(self, task_id: str, **params: str) -> None:
-        response = requests.post(
-            f"{self.url}/api/task/revoke/{task_id}", params=params, auth=AUTH, timeout=10
-        )
-        assert response.status_code == 200, response.text
-
-
-@pytest.fixture(scope="module")
-def flower(
-    stack: Stack, fleet: TwoHosts, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Flower]:
-    processes = Processes()
-    tmp_path = tmp_path_factory.mktemp("flower")
-    port = free_port()
-    env = exo_env(
-        redis_url=stack.redis.url,
-        flower_port=port,
-        flower_basic_auth=":".join(AUTH),
-        data_dir=tmp_path,
-    )
-    log_path = tmp_path / "flower.log"
-    process = processes.start([EXO_TASKS, "flower"], env, log_path)
-    flower = Flower(f"http://127.0.0.1:{port}", process, log_path)
-
-    def online() -> dict[str, bool] | None:
-        try:
-            alive: dict[str, bool] = flower.get("/api/workers?status=1", auth=AUTH).json()
-        except (requests.ConnectionError, requests.Timeout):  # not up, or still starting
-            return None
-        # Seen through worker heartbeat events: Flower's event receiver is running.
-        return alive if alive.get("exo@fleet-x") and alive.get("exo@fleet-y") else None
-
-    try:
-        wait_until(online, 30, "Flower to see both workers online", interval_s=0.3)
-        yield flower
-    finally:
-        processes.stop_all()
 
 
 def ended_as(task: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from kombu.exceptions import KombuError
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.store import Store
 from exo_tasks.types import JobEnding, JobRecord, JobStatus
+from exo_tasks.worker import soft_limit
 
 log = logging.getLogger("exo_tasks.tasks")
 # A report is a result-backend write and an event: per token at 32 jobs it cost the runner's
@@ -83,6 +84,7 @@ def finish(
     failed or timed-out one raises JobEnded, the task's FAILURE. A job still running (a
     duplicate message, while another attempt runs it) leaves the task's state to that attempt.
     `max_tokens`: the job's, when `job` is an ending without its request."""
+    soft_limit.decided()
     if job is None:  # unknown, or expired
         return {"job_id": job_id, "status": "unknown"}
     if isinstance(job, JobRecord):

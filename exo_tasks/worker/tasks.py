@@ -39,7 +39,7 @@ from exo_tasks.naming import (
 )
 from exo_tasks.store import Store
 from exo_tasks.types import JobEnding, JobRecord, JobStatus, RequeuedEvent
-from exo_tasks.worker import task_states
+from exo_tasks.worker import soft_limit, task_states
 from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
 
 log = logging.getLogger("exo_tasks.tasks")
@@ -144,6 +144,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         _remember_prefixes(self, prepared.job, final)
         return task_states.finish(self, job_id, final, max_tokens)
     except Reject as reject:
+        soft_limit.decided()
         reason, requeue = reject.args  # (celery-stubs lack the attributes)
         if requeue and isinstance(prepared, Prepared) and _routed_here(self, prepared.job):
             # Its prefix brought it here, not a pin: any host serving the model may run it.
@@ -157,6 +158,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         limited = prepared.job.request.max_tokens if isinstance(prepared, Prepared) else None
         return task_states.finish(self, job_id, _after_soft_limit(store, job_id, attempt), limited)
     except ExoError as exc:
+        soft_limit.decided()
         store.jobs.fail(job_id, exc.message)
         log.error("job failed", extra={**extra, "error": exc.message})
         raise

@@ -11,6 +11,7 @@ import pytest
 
 from exo_tasks.store import Store
 from tests.support.api import api_settings, serving
+from tests.support.flower import Flower, running_flower
 from tests.support.instances import Pair, running_pair
 from tests.support.launcher import LocalStack, launcher_env
 from tests.support.processes import Processes, RedisServer, start_redis
@@ -127,6 +128,15 @@ def fleet(
     for worker, model in ((x, "alpha"), (y, "alpha"), (y, "beta")):
         wait_runner_ready(store, worker, model)
     return TwoHosts(x=x, y=y)
+
+
+@pytest.fixture(scope="module")
+def flower(
+    stack: Stack, fleet: TwoHosts, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Flower]:
+    """Flower beside the stack and the fleet, with basic auth (tests.support.flower.AUTH)."""
+    workers = ("exo@fleet-x", "exo@fleet-y")
+    yield from running_flower(stack, tmp_path_factory.mktemp("flower"), workers)
 
 
 @pytest.fixture(scope="module")
