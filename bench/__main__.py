@@ -25,6 +25,7 @@ from bench import (
     batch,
     flood,
     frontdoor,
+    ha,
     instances,
     overhead,
     prefix,
@@ -51,6 +52,7 @@ SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "instances": instances.run,
     "flood": flood.run,
     "stallfree": stallfree.run,
+    "ha": ha.run,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     stallfree.set_targets(results)
     prefix.set_targets(results)
     instances.set_targets(results)
+    ha.set_targets(results)
     report.write_json(results, args.out / "latest.json", run)
     report.chart(results, args.out / "latest.png")
     print(report.table(results))

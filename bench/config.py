@@ -25,6 +25,7 @@ class Config:
     scale_workers: int = 2
     scale_senders: int = 8
     batch_lines: int = 2000
+    ha_drain_jobs: int = 1000  # per repeat and Redis, 1-token jobs sent by 8 senders at once
     stall_prompt_tokens: int = 7000  # each long prompt of the stall-free section
 
     def quick(self) -> Config:
@@ -39,5 +40,6 @@ class Config:
             overhead_jobs=10,
             scale_jobs=300,
             batch_lines=300,
+            ha_drain_jobs=200,
             stall_prompt_tokens=600,
         )

@@ -17,11 +17,15 @@ from typing import Any
 import requests
 
 from exo_tasks.naming import model_slug
-from exo_tasks.store import Store
+from exo_tasks.redis_server import wait_for_redis
+from exo_tasks.replication import replicated
+from exo_tasks.store import Store, connect
+from tests.support.ha import ha_settings, settings_of
 from tests.support.processes import (
     EXO_TASKS,
     Processes,
     RedisServer,
+    exo_env,
     free_port,
     start_redis,
     wait_until,
@@ -82,15 +86,23 @@ def start_exo(
     lab: Lab, name: str, model_dir: Path, *, workers: int = 1, **settings: Any
 ) -> ExoStack:
     """Redis, the API and `workers` workers serving `model_dir`; returns once every runner is
-    Ready and the API answers. `settings` become EXO_* variables of the API and the workers."""
+    Ready and the API answers. `settings` become EXO_* variables of the API and the workers;
+    with `redis_ha`, Redis runs as `exo-tasks up --ha` runs it (a master, its replica, three
+    Sentinels) and the API and the workers find it through the Sentinels."""
     processes, directory = lab.group(name)
-    redis = start_redis(processes, directory / "redis")
+    if settings.pop("redis_ha", False):  # they share its data dir (the password), its ports
+        redis, pointers = start_ha_redis(processes, directory)
+        settings.update(pointers)
+        redis_url = ""  # no EXO_REDIS_URL: the Sentinels say where the master is
+    else:
+        redis = start_redis(processes, directory / "redis")
+        redis_url = redis.url
     port = free_port()
     settings.setdefault("worker_concurrency", WORKER_CONCURRENCY)
-    api_env = worker_env(redis.url, "api", [model_dir], directory, api_port=port, **settings)
+    api_env = worker_env(redis_url, "api", [model_dir], directory, api_port=port, **settings)
     processes.start([EXO_TASKS, "api"], api_env, directory / "api.log")
     started = [
-        start_worker(processes, redis.url, f"bench{i}", [model_dir], directory, **settings)
+        start_worker(processes, redis_url, f"bench{i}", [model_dir], directory, **settings)
         for i in range(workers)
     ]
     store = Store.from_url(redis.url)
@@ -100,6 +112,21 @@ def start_exo(
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _get_ok(f"{url}/readyz"), START_TIMEOUT_S, "the exo_tasks API")
     return ExoStack(url, model, redis, store, started, processes, directory)
+
+
+def start_ha_redis(processes: Processes, directory: Path) -> tuple[RedisServer, dict[str, Any]]:
+    """`exo-tasks redis` with EXO_REDIS_HA, its data in `directory`; returns once the master
+    has its replica (before that a 202 would not wait for one): the Redis (`url`: through the
+    Sentinels) and the settings that point the API and the workers at it."""
+    values = ha_settings(directory)
+    process = processes.start([EXO_TASKS, "redis"], exo_env(**values), directory / "redis.log")
+    settings = settings_of(values)
+    url = settings.effective_redis_url
+    wait_for_redis(url, timeout_s=START_TIMEOUT_S)
+    client = connect(url)
+    wait_until(lambda: replicated(client, 1000), START_TIMEOUT_S, "the HA Redis's replica")
+    pointers = {name: value for name, value in values.items() if name != "data_dir"}
+    return RedisServer(url=url, port=settings.redis_port, process=process), pointers
 
 
 @dataclass

@@ -22,12 +22,7 @@ SECTION = "overhead"
 
 
 def run(lab: Lab, config: Config, results: Results) -> None:
-    log.info("overhead: %s, 1-token jobs", IN_PROCESS)
-    argv = [sys.executable, "-m", "bench.inprocess", str(config.tiny_model)]
-    argv += [str(config.overhead_jobs), str(config.repeats)]
-    baseline: list[list[float]] = json.loads(
-        subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600).stdout
-    )
+    baseline = in_process(config)
     log.info("overhead: %s, 1-token jobs", EXO)
     stack = start_exo(lab, "exo-overhead", config.tiny_model)
     try:
@@ -51,6 +46,16 @@ def run(lab: Lab, config: Config, results: Results) -> None:
     for alone, through_queue in zip(baseline, queued, strict=True):
         difference = percentile(through_queue, 50) - percentile(alone, 50)
         results.sample(SECTION, "queue overhead p50", EXO, "ms", difference)
+
+
+def in_process(config: Config) -> list[list[float]]:
+    """The baseline: each repeat's latencies (ms) of 1-token generations in process."""
+    log.info("overhead: %s, 1-token jobs", IN_PROCESS)
+    argv = [sys.executable, "-m", "bench.inprocess", str(config.tiny_model)]
+    argv += [str(config.overhead_jobs), str(config.repeats)]
+    run = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600)
+    rounds: list[list[float]] = json.loads(run.stdout)
+    return rounds
 
 
 def set_targets(results: Results) -> None:

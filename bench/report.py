@@ -17,6 +17,7 @@ SECTION_TITLES = {
     "queue_scale": "6. Queue scale (tiny model, 1-token jobs, 2 workers)",
     "front_door": "7. Front door: streams held open at once (tiny model, 256-token completions)",
     "prefix_cache": "9. Prompt reuse (bench model, chat, 64 tokens out)",
+    "ha": "11. What durability costs: HA Redis beside a single Redis (tiny model, 1-token jobs)",
 }
 
 

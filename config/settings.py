@@ -48,9 +48,10 @@ class Settings(BaseSettings):
     redis_replica_wait_ms: int = Field(
         500,
         ge=0,
-        description="Behind Sentinels, how long a new job's 202 waits at most for a replica to "
-        "hold it (Redis WAIT); past that, or with no replica connected, the job is accepted "
-        "all the same and the answer says `Exo-Replicated: false`. 0: never wait.",
+        description="Behind Sentinels, how long a new job's 202 (a new file's or batch's answer, "
+        "a round of a batch's lines) waits at most for a replica to hold it (Redis WAIT); past "
+        "that, or with no replica connected, it is accepted all the same and the answer says "
+        "`Exo-Replicated: false`. 0: never wait.",
     )
     api_host: str = "127.0.0.1"
     api_port: int = 8000

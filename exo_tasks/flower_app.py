@@ -10,6 +10,11 @@ without it: a browser that opened a deep link (`/task/<id>`) holds credentials f
 path only, and re-sends them to `/api/task/revoke/...` only when the 401 names the same realm.
 Without it the Terminate button got an empty red notice and did nothing.
 
+Flower's Broker tab (queue lengths) asks the master of only the Sentinel that its broker URL
+names first (flower.utils.broker.RedisSentinel, whose comment says all were meant): with that
+Sentinel gone the tab failed, while kombu (workers, tasks, events) tried the others. It asks
+them all in turn here, as kombu and our own clients do.
+
 Flower inspects the workers as it starts, usually before any is up (`exo-tasks up` starts them
 together): a warning for each of four inspect methods that no worker answered in time. It
 shows the workers from their events all the same, and inspects again whenever a worker's page
@@ -24,7 +29,9 @@ from typing import Any
 
 import tornado.web
 from flower.api import BaseApiHandler
+from flower.utils.broker import RedisSentinel
 from flower.views.monitor import Metrics
+from redis.asyncio.sentinel import Sentinel
 
 from exo_tasks import flower_pages
 from exo_tasks.worker.app import app
@@ -51,6 +58,22 @@ def _api_error_with_challenge(handler: Any, status_code: int, **kwargs: Any) -> 
     _api_write_error(handler, status_code, **kwargs)
 
 
+_flower_sentinel_client = RedisSentinel._get_redis_client
+
+
+def _through_every_sentinel(broker: Any, broker_options: Any, broker_use_ssl: Any) -> Any:
+    """The client Flower builds (its options, the master's name), through every Sentinel."""
+    client = _flower_sentinel_client(broker, broker_options, broker_use_ssl)
+    sentinels = app.settings.sentinels
+    if sentinels is None:
+        return client
+    manager = client.connection_pool.sentinel_manager
+    every = Sentinel(  # type: ignore[no-untyped-call]
+        sentinels.addresses, sentinel_kwargs=manager.sentinel_kwargs, **manager.connection_kwargs
+    )
+    return every.master_for(broker.master_name)
+
+
 def _unless_unanswered(record: logging.LogRecord) -> bool:
     # flower.inspector's own words when `inspect` returned no reply at all (None).
     return record.msg != "Inspect method %s failed"
@@ -58,5 +81,6 @@ def _unless_unanswered(record: logging.LogRecord) -> bool:
 
 Metrics.prepare = _authenticated
 BaseApiHandler.write_error = _api_error_with_challenge
+RedisSentinel._get_redis_client = _through_every_sentinel
 logging.getLogger("flower.inspector").addFilter(_unless_unanswered)
 flower_pages.install()

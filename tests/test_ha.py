@@ -5,11 +5,13 @@ master is SIGKILLed under load. Real processes, real signals, default settings."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,14 @@ import psutil
 import redis
 import requests
 
+from exo_tasks.batch.jobs import line_job_id
 from exo_tasks.redis_auth import redis_password
 from exo_tasks.redis_ha import server_dir
 from exo_tasks.redis_server import redis_server_argv, wait_for_redis
 from exo_tasks.replication import replicated
 from exo_tasks.store import Store, connect
 from tests.support import sse
+from tests.support.batches import CHAT_URL, chat_line, jsonl
 from tests.support.ha import ha_settings, master_port, sentinel_client, server_process, settings_of
 from tests.support.launcher import LocalStack, launcher_env
 from tests.support.processes import EXO_TASKS, Processes, exo_env, has_exited, wait_until
@@ -159,7 +163,13 @@ def _measure_replication(master: Any, replica: Any, replica_process: psutil.Proc
 
 
 JOB = {"prompt": "failover", "max_tokens": 300, "ignore_eos": True}
-QUEUED_JOBS = 12  # more than the worker's pool takes at once (launcher_env: 8 children)
+SHORT_JOB = {**JOB, "max_tokens": 20}
+# The worker's pool has 8 children (launcher_env): 8 long jobs run through the kill, 42 short
+# ones wait behind them, and a batch's lines behind those (priority `low`): the feeder has sent
+# 6 (8 children less 2 kept for interactive jobs) at the kill, the rest it sends after it.
+LONG_JOBS, SHORT_JOBS = 8, 42
+BATCH_LINES = 16
+STREAMED = (0, LONG_JOBS, -1)  # streams open at the kill: a running job, two queued ones
 FIRST_ACCEPT_TARGET_S = 10.0
 QUEUE_ROW = re.compile(
     r'<tr id="[^"]+">\s*<td>[^<]+</td>\s*<td class="broker-secondary-column">\d+</td>'
@@ -167,11 +177,30 @@ QUEUE_ROW = re.compile(
 
 
 def _stream(api: str, job_id: str, into: list[dict[str, Any]]) -> None:
-    with requests.get(f"{api}/v1/jobs/{job_id}/stream", stream=True, timeout=30) as response:
-        for event in sse.read(response):
-            into.append(event)
-            if event["event"] in ("done", "error"):
-                return
+    """The job's events up to its `done`, as a client reads them: after an `error` event (Redis
+    lost at a moment the stream could not wait it out) it resumes from the last event it got."""
+    while not into or into[-1]["event"] != "done":
+        last = next((event["id"] for event in reversed(into) if event["id"]), None)
+        headers = {"Last-Event-ID": last} if last else {}
+        url = f"{api}/v1/jobs/{job_id}/stream"
+        with requests.get(url, headers=headers, stream=True, timeout=30) as response:
+            if response.status_code == 503:
+                time.sleep(int(response.headers["Retry-After"]))
+                continue
+            for event in sse.read(response):
+                into.append(event)
+                if event["event"] in ("done", "error"):
+                    break
+
+
+def _post(api: str, job: dict[str, Any]) -> requests.Response:
+    reply = requests.post(f"{api}/v1/jobs", json=job, timeout=10)
+    assert reply.status_code == 202, reply.text
+    return reply
+
+
+def _ended_streams(streams: list[list[dict[str, Any]]]) -> bool:
+    return all(events and events[-1]["event"] == "done" for events in streams)
 
 
 def _submit_through_the_gap(api: str, killed: float) -> tuple[requests.Response, int]:
@@ -192,14 +221,45 @@ def _submit_through_the_gap(api: str, killed: float) -> tuple[requests.Response,
         time.sleep(0.2)
 
 
-def _ended(stack: LocalStack, ids: list[str]) -> bool:
-    return all(stack.job(j)["status"] not in ("queued", "running") for j in ids)
+def _unended(store: Store, ids: list[str]) -> int:
+    return sum(job is None or not job.is_terminal for job in store.jobs.records(ids))
+
+
+def _create_batch(api: str, lines: list[dict[str, Any]]) -> tuple[str, bool]:
+    """A batch of `lines` (its file uploaded, then the batch created); its id, and whether
+    both answers said a replica holds them."""
+    files = {"file": ("input.jsonl", jsonl(lines))}
+    uploaded = requests.post(f"{api}/v1/files", data={"purpose": "batch"}, files=files, timeout=10)
+    assert uploaded.status_code == 200, uploaded.text
+    body = {
+        "input_file_id": uploaded.json()["id"],
+        "endpoint": CHAT_URL,
+        "completion_window": "24h",
+    }
+    created = requests.post(
+        f"{api}/v1/batches", json={**body, "completion_window": "24h"}, timeout=10
+    )
+    assert created.status_code == 200, created.text
+    replicated = all("Exo-Replicated" not in r.headers for r in (uploaded, created))
+    return created.json()["id"], replicated
+
+
+def _batch_results(api: str, batch_id: str) -> list[dict[str, Any]]:
+    """The completed batch's output lines, once it has ended."""
+
+    def ended() -> dict[str, Any] | None:
+        batch: dict[str, Any] = requests.get(f"{api}/v1/batches/{batch_id}", timeout=5).json()
+        return batch if batch["status"] in ("completed", "failed", "cancelled") else None
+
+    batch = wait_until(ended, 60, f"batch {batch_id} to end", interval_s=0.2)
+    assert batch["status"] == "completed" and batch["error_file_id"] is None, batch
+    output = requests.get(f"{api}/v1/files/{batch['output_file_id']}/content", timeout=5)
+    return [json.loads(line) for line in output.text.splitlines()]
 
 
 def _replicated_job(api: str, ids: list[str]) -> bool:
     """Submit a job (its id to `ids`); whether its answer says a replica holds it."""
-    reply = requests.post(f"{api}/v1/jobs", json=JOB, timeout=10)
-    assert reply.status_code == 202, reply.text
+    reply = _post(api, SHORT_JOB)
     ids.append(reply.json()["id"])
     return "Exo-Replicated" not in reply.headers
 
@@ -223,15 +283,25 @@ def test_killing_the_master_under_load_costs_seconds_not_jobs(
     stack.start([EXO_TASKS, "up", "--ha"])
     settings = settings_of(values)
     store = Store.from_url(settings.effective_redis_url)
-    replies = [
-        requests.post(f"{stack.api}/v1/jobs", json=JOB, timeout=10) for _ in range(QUEUED_JOBS)
-    ]
+    replies = [_post(stack.api, JOB) for _ in range(LONG_JOBS)]  # first, to the free children
+    with ThreadPoolExecutor(8) as senders:
+        replies += senders.map(lambda job: _post(stack.api, job), [SHORT_JOB] * SHORT_JOBS)
     assert all("Exo-Replicated" not in r.headers for r in replies)  # a replica held each
     ids = [reply.json()["id"] for reply in replies]
-    events: list[dict[str, Any]] = []
-    reader = threading.Thread(target=_stream, args=(stack.api, ids[0], events), daemon=True)
-    reader.start()
-    wait_until(lambda: store.streams.streamed_text(ids[0])[1] >= 3, 20, "tokens of the first job")
+    lines = [
+        chat_line(f"line-{n}", "hi", max_tokens=16, ignore_eos=True) for n in range(BATCH_LINES)
+    ]
+    batch_id, replicated = _create_batch(stack.api, lines)
+    assert replicated  # the file and the batch were on a replica before their answers
+    streams: list[list[dict[str, Any]]] = [[] for _ in STREAMED]
+    for events, index in zip(streams, STREAMED, strict=True):
+        args = (stack.api, ids[index], events)
+        threading.Thread(target=_stream, args=args, daemon=True).start()
+    wait_until(lambda: len(streams[0]) >= 3, 20, "tokens of the first job, streamed")
+    wait_until(lambda: store.batches.inflight(batch_id), 20, "the batch's first lines sent")
+    in_flight = [line_job_id(batch_id, line) for line in store.batches.inflight(batch_id)]
+    assert _unended(store, ids + in_flight) >= 50
+    assert store.batches.cursor(batch_id) < BATCH_LINES  # the batch is being fed
     tree = stack.tree()
     old_port = master_port(settings)
     master = server_process(tree[0].pid, old_port)
@@ -241,23 +311,38 @@ def test_killing_the_master_under_load_costs_seconds_not_jobs(
     killed = time.monotonic()
     reply, refused = _submit_through_the_gap(stack.api, killed)
     first_accept_s = time.monotonic() - killed
-    # The new master has no replica now: the job is accepted, and its answer says so at once.
+    # The new master has no replica now: what it accepts is accepted, and the answer says so.
     assert reply.headers.get("Exo-Replicated") == "false"
     ids.append(reply.json()["id"])
-    wait_until(lambda: _ended(stack, ids), 60, "every accepted job to end")
+    late_batch_id, replicated = _create_batch(stack.api, lines[:1])
+    assert not replicated
+    wait_until(lambda: not _unended(store, ids), 60, "every accepted job to end")
     drained_s = time.monotonic() - killed
+    results = _batch_results(stack.api, batch_id)
+    batch_done_s = time.monotonic() - killed
     print(
         f"master SIGKILLed: first job accepted again after {first_accept_s:.2f}s ({refused} "
-        f"answers 503 before), every job ended after {drained_s:.2f}s"
+        f"answers 503 before), every job ended after {drained_s:.2f}s, the batch after "
+        f"{batch_done_s:.2f}s"
     )
-    for job_id in ids:
+    # Every line has its one result; every job, the batch's too, ended once and whole.
+    assert sorted(r["custom_id"] for r in results) == sorted(line["custom_id"] for line in lines)
+    assert all(r["response"]["status_code"] == 200 for r in results), results
+    assert len(_batch_results(stack.api, late_batch_id)) == 1
+    for job_id in ids + [line_job_id(batch_id, n) for n in range(BATCH_LINES)]:
         job = stack.job(job_id)
         assert job["status"] == "succeeded", job
         assert job["usage"]["completion_tokens"] == job["request"]["max_tokens"], job
         dones = [e for _, e in store.streams.read_events(job_id) if e.event == "done"]
         assert len(dones) == 1, (job_id, dones)
-    reader.join(timeout=30)
-    assert events and events[-1]["event"] in ("done", "error"), events[-3:]
+    # The lines the feeder sent after the kill were on the new master alone, and it said so.
+    assert "lines accepted on the master alone" in stack.log_text()
+    wait_until(lambda: _ended_streams(streams), 10, "every stream to its end")
+    for events in streams:  # each went on (or resumed) to its end, its tokens in order
+        indexes = [e["data"]["index"] for e in events if e["event"] == "token"]
+        assert indexes == sorted(set(indexes)), indexes
+    errors = sum(e["event"] == "error" for events in streams for e in events)
+    print(f"{len(streams)} streams open at the kill ended whole; {errors} resumed after an error")
     # Nothing was restarted: every process of the stack but the killed master still runs.
     assert [p.pid for p in others if has_exited(p.pid)] == []
     assert first_accept_s < FIRST_ACCEPT_TARGET_S
@@ -278,12 +363,14 @@ def test_killing_the_master_under_load_costs_seconds_not_jobs(
     wait_until(lambda: old.get("split-brain") is None, 10, "the old master's write gone")
     assert store.redis.get("split-brain") is None
     wait_until(lambda: _replicated_job(stack.api, ids), 10, "a job replicated again", 0.5)
-    wait_until(lambda: _ended(stack, ids), 30, "the last job to end")
+    wait_until(lambda: not _unended(store, ids), 30, "the last job to end")
     print(f"the old master, started again, a replica {time.monotonic() - restarted:.2f}s later")
 
-    # Flower's Broker tab finds the new master through the Sentinels too: a queue's row with
-    # its length read from the broker. (Which queues it lists depends on whether its inspection
-    # of the workers answered: theirs, or else Celery's default `celery`.)
+    # Flower's Broker tab finds the new master through the Sentinels too, even with the one its
+    # broker URL names first gone: a queue's row with its length read from the broker. (Which
+    # queues it lists depends on whether its inspection of the workers answered: theirs, or
+    # else Celery's default `celery`.)
+    server_process(tree[0].pid, settings.ha_sentinel_ports[0], sentinel=True).kill()
     flower = requests.get(f"http://127.0.0.1:{env['EXO_FLOWER_PORT']}/broker", timeout=10)
     assert flower.status_code == 200 and QUEUE_ROW.search(flower.text), flower.text[-2000:]
 

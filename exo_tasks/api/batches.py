@@ -42,6 +42,7 @@ def create_batch() -> Response:
         metadata=body.metadata,
     )
     store.batches.create(batch)
+    ctx().replicate("a batch", batch_id=batch.id)
     return jsonify(batch.model_dump(mode="json"))
 
 

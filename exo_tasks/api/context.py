@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from flask import Response, after_this_request, current_app, has_request_context
 
 from config.settings import Settings
-from exo_tasks import jobs
+from exo_tasks import jobs, replication
 from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals
 from exo_tasks.api.prompt_door import PromptDoor
 from exo_tasks.api.streams import EventHub, StreamCap
@@ -19,7 +19,6 @@ from exo_tasks.celery_app import ExoCelery
 from exo_tasks.errors import StorageFull
 from exo_tasks.fairness import Client
 from exo_tasks.fleet import SharedReads
-from exo_tasks.replication import replicated
 from exo_tasks.store import Store, connect
 from exo_tasks.types import JobRecord, JobRequest
 
@@ -52,8 +51,8 @@ class ApiContext:
         self.streams = StreamCap(settings.max_streams)
         self.arrivals = Arrivals()
         self.prompt_door = PromptDoor(settings)
-        # Behind Sentinels a 202 waits, bounded, for a replica to hold the job (replication.py).
-        self.replica_wait_ms = settings.redis_replica_wait_ms if settings.sentinels else 0
+        # Behind Sentinels what is accepted waits, bounded, for a replica (replication.py).
+        self.replica_wait_ms = replication.wait_ms(settings)
         self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 
@@ -103,11 +102,15 @@ class ApiContext:
     ) -> JobRecord:
         send = functools.partial(jobs.submit, self.store, self.celery, self.settings, client=client)
         job = self._senders.submit(send, job_request, job_id, where).result()
-        if self.replica_wait_ms and not replicated(self.store.redis, self.replica_wait_ms):
-            log.warning("a job accepted on the master alone", extra={"job_id": job.id})
-            if has_request_context():  # the answer says so (a stream's headers may be sent)
-                after_this_request(_not_replicated)
+        self.replicate("a job", job_id=job.id)
         return job
+
+    def replicate(self, what: str, **ids: str) -> None:
+        """Return once a replica holds what this request wrote, or the wait's bound passed;
+        if none holds it, the answer says so (a stream's headers may be sent already)."""
+        settled = replication.settle(self.store.redis, self.replica_wait_ms, what, **ids)
+        if not settled and has_request_context():
+            after_this_request(_not_replicated)
 
 
 def _not_replicated(response: Response) -> Response:

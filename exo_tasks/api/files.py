@@ -55,6 +55,7 @@ def upload() -> Response:
         purpose="batch",
     )
     ctx().store.files.put(meta, _text(data, settings.batch_max_lines))
+    ctx().replicate("a file", file_id=meta.id)
     return jsonify(meta.model_dump(mode="json"))
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
 
+import redis
 from flask import Blueprint, Response, jsonify, request
 
 from exo_tasks import jobs, progress
@@ -115,6 +116,9 @@ def stream_job(job_id: str) -> Response:
                 yield sse_event(event_id, event.event, data)
         except streams.StreamOverflow as exc:
             yield sse_event("", "error", {"type": "stream_overflow", "message": str(exc)})
+        except (redis.ConnectionError, redis.TimeoutError):  # at its last read (a failover)
+            message = "the broker (Redis) is unreachable; resume soon with Last-Event-ID"
+            yield sse_event("", "error", {"type": "unavailable", "message": message})
 
     return sse_response(events(), on_close=release)
 

@@ -274,8 +274,15 @@ def follow(
     event again; past a running job's, what comes next (else its DoneEvent, whose id is lower
     than the one asked for, would never come, and the stream would send keepalives for ever).
     If the caller falls EXO_STREAM_BUFFER_EVENTS events behind, `on_overflow` is called at
-    once (by the reader) and the caller gets StreamOverflow at its next read."""
-    last = store.streams.last_event(job_id)
+    once (by the reader) and the caller gets StreamOverflow at its next read. Redis away (a
+    failover) as it starts, it waits with keepalives, as the reader waits it out."""
+    while True:
+        try:
+            last = store.streams.last_event(job_id)
+            break
+        except (redis.ConnectionError, redis.TimeoutError):
+            yield None
+            time.sleep(KEEPALIVE_S)
     end = "0-0" if last is None else last[0]
     if last is not None and isinstance(last[1], DoneEvent) and stream_id(end) <= stream_id(after):
         yield last

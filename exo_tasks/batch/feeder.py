@@ -25,16 +25,15 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from exo_tasks import fairness, jobs, json_input, lifecycle, metrics
+from exo_tasks import fairness, jobs, json_input, lifecycle, metrics, replication
 from exo_tasks.batch import input as batch_input
 from exo_tasks.batch.jobs import cancel_inflight, line_job_id
-from exo_tasks.batch.results import ENDPOINTS, LineResults, succeeded
+from exo_tasks.batch.results import ENDPOINTS, LineResults, result_file, succeeded
 from exo_tasks.batch_types import (
     Batch,
     BatchError,
     BatchErrors,
     BatchStatus,
-    FileObject,
     RequestCounts,
     ResultLine,
 )
@@ -85,6 +84,7 @@ class BatchFeeder:
         self.app = app
         self.store = app.store
         self.settings = app.settings
+        self.replica_wait_ms = replication.wait_ms(self.settings)
         self.holder = holder
         self.results = LineResults()
         self._closing = threading.Event()
@@ -266,6 +266,8 @@ class BatchFeeder:
                 refused.append((line, outcome))
             cursor = line + 1
         self._write(batch, refused)
+        if sent:  # in flight once a replica holds their jobs, as a 202 waits (docs/ha.md)
+            replication.settle(self.store.redis, self.replica_wait_ms, "lines", batch_id=batch.id)
         self.store.batches.take_lines(batch.id, sent, cursor)
         self._moved += len(sent)
 
@@ -386,13 +388,6 @@ class BatchFeeder:
     def _file(self, batch: Batch, kind: str, lines: list[str], now: int) -> str | None:
         if not lines:
             return None
-        content = "".join(line + "\n" for line in lines)
-        meta = FileObject(
-            id=f"file-{batch.id.removeprefix('batch_')}-{kind}",
-            bytes=len(content.encode()),
-            created_at=now,
-            filename=f"{batch.id}_{kind}.jsonl",
-            purpose="batch_output",
-        )
+        meta, content = result_file(batch, kind, lines, now)
         self.store.files.put(meta, content)
         return meta.id

@@ -9,7 +9,14 @@ from typing import Any
 
 from exo_tasks import errors
 from exo_tasks.batch.jobs import line_job_id
-from exo_tasks.batch_types import Batch, BatchStatus, LineError, LineResponse, ResultLine
+from exo_tasks.batch_types import (
+    Batch,
+    BatchStatus,
+    FileObject,
+    LineError,
+    LineResponse,
+    ResultLine,
+)
 from exo_tasks.openai_render import ChatRenderer, Renderer, TextRenderer, failure
 from exo_tasks.openai_types import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from exo_tasks.types import JobRecord, JobStatus
@@ -83,3 +90,17 @@ def _unanswered(batch: Batch, line: int, custom_id: str, code: str, message: str
 
 def _line_id(batch: Batch, line: int) -> str:
     return f"batch_req_{batch.id.removeprefix('batch_')}_{line}"
+
+
+def result_file(batch: Batch, kind: str, lines: list[str], now: int) -> tuple[FileObject, str]:
+    """The batch's `output` or `error` file of `lines`: its object and content. Its id follows
+    from the batch's, so a feeder that ends the batch again writes the same file."""
+    content = "".join(line + "\n" for line in lines)
+    meta = FileObject(
+        id=f"file-{batch.id.removeprefix('batch_')}-{kind}",
+        bytes=len(content.encode()),
+        created_at=now,
+        filename=f"{batch.id}_{kind}.jsonl",
+        purpose="batch_output",
+    )
+    return meta, content
