@@ -33,11 +33,12 @@ def _free(port: int) -> bool:
 
 def ha_settings(data_dir: Path) -> dict[str, Any]:
     """EXO_ settings of an HA stack of its own: its data dir, its five ports."""
+    first = free_ports(5)  # one block: two draws could overlap
     return {
         "data_dir": data_dir,
         "redis_ha": "true",
-        "redis_port": free_ports(2),
-        "redis_sentinel_port": free_ports(3),
+        "redis_port": first,
+        "redis_sentinel_port": first + 2,
     }
 
 
