@@ -88,7 +88,9 @@ def test_a_model_only_an_instance_serves_is_listed_and_its_jobs_go_to_its_queue(
     assert store.jobs.queue_depth(queue) == depth + 1
     # Cancelled, it waits in no queue: the workers' revoke withdraws its message.
     cancelled(api, job)
-    wait_until(lambda: store.jobs.queue_depth(queue) == depth, timeout_s=10, what="its message withdrawn")
+    wait_until(
+        lambda: store.jobs.queue_depth(queue) == depth, timeout_s=10, what="its message withdrawn"
+    )
     # Pinned to one of its hosts: the instance's queue too; to another host: none serves it.
     assert queued_job(api, model="gamma", host="held-b")["instance"] == instance_id
     status, message = refused(api, model="gamma", host="host-a")
