@@ -16,11 +16,10 @@ import openai
 import pytest
 import requests
 
-from exo_tasks.naming import host_queue
 from exo_tasks.types import DoneEvent
 from tests.support.clients import CHAT, HOST_A, client_for, job_of
 from tests.support.processes import Processes, wait_until
-from tests.support.stack import LONG, Stack, wait_tokens
+from tests.support.stack import LONG, Stack, idle, wait_tokens
 from tests.support.workers import Worker, runner_state, start_worker, wait_runner_ready
 
 OWN, SINGLE = "cx-own", "cx-single"
@@ -42,19 +41,6 @@ def test_cancel_is_404_for_an_unknown_job_and_409_once_it_ended(stack: Stack) ->
 
 def active_jobs(stack: Stack, host: str) -> int:
     return int(stack.api.get(f"/v1/runners/tiny@{host}").json()["active_jobs"])
-
-
-def idle(stack: Stack, worker: Worker) -> Worker:
-    """`worker` once no job of an earlier test is on its runner or in its host's queue."""
-    wait_until(
-        lambda: (
-            active_jobs(stack, worker.host) == 0
-            and stack.store.jobs.queue_depth(host_queue(worker.host)) == 0
-        ),
-        30,
-        f"{worker.host} idle",
-    )
-    return worker
 
 
 @pytest.fixture(scope="module")
