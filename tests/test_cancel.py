@@ -1,6 +1,8 @@
 """Cancelling jobs: by the route, or by a streaming client that goes away.
 
-Tests that need a runner to themselves start their own worker (its own host, jobs pinned to it).
+Tests that need a runner to themselves pin their jobs to a host of this module's (a cancel
+changes nothing a later test sees): cx-own serves with the usual pool, cx-single with one pool
+child. Each test starts once its host is idle.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 import requests
 
 from exo_tasks.types import DoneEvent
 from tests.support.clients import CHAT, HOST_A, client_for, job_of
 from tests.support.processes import Processes, wait_until
-from tests.support.stack import LONG, Stack, new_worker, wait_tokens
-from tests.support.workers import runner_state
+from tests.support.stack import LONG, Stack, idle, wait_tokens
+from tests.support.workers import Worker, runner_state, start_worker, wait_runner_ready
+
+OWN, SINGLE = "cx-own", "cx-single"
 
 
 def cancel(stack: Stack, job_id: str) -> requests.Response:
@@ -34,21 +39,49 @@ def test_cancel_is_404_for_an_unknown_job_and_409_once_it_ended(stack: Stack) ->
     assert ended.json()["error"]["details"] == {"status": "succeeded"}
 
 
-def busy_worker(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, host: str
-) -> str:
-    """A worker with one pool child, kept busy by a long job (returned): the next job queues."""
-    new_worker(stack, processes, tiny_model, tmp_path, host, worker_concurrency=1)
-    busy = stack.api.submit(**LONG, host=host)
+def active_jobs(stack: Stack, host: str) -> int:
+    return int(stack.api.get(f"/v1/runners/tiny@{host}").json()["active_jobs"])
+
+
+@pytest.fixture(scope="module")
+def hosts(
+    stack: Stack,
+    module_processes: Processes,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Worker]:
+    data_dir, url = tmp_path_factory.mktemp("cancel"), stack.redis.url
+    hosts = {
+        OWN: start_worker(module_processes, url, OWN, [tiny_model], data_dir),
+        SINGLE: start_worker(
+            module_processes, url, SINGLE, [tiny_model], data_dir, worker_concurrency=1
+        ),
+    }
+    for worker in hosts.values():  # started together: their loads overlap
+        wait_runner_ready(stack.store, worker)
+    return hosts
+
+
+@pytest.fixture
+def own(stack: Stack, hosts: dict[str, Worker]) -> Worker:
+    return idle(stack, hosts[OWN])
+
+
+@pytest.fixture
+def single(stack: Stack, hosts: dict[str, Worker]) -> Worker:
+    return idle(stack, hosts[SINGLE])
+
+
+def busy(stack: Stack, single: Worker) -> str:
+    """The host with one pool child kept busy by a long job (returned): the next job queues."""
+    busy = stack.api.submit(**LONG, host=single.host)
     wait_tokens(stack, busy)
     return busy
 
 
-def test_a_cancelled_queued_job_never_runs(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
-) -> None:
-    busy = busy_worker(stack, processes, tiny_model, tmp_path, "cx-queue")
-    queued = stack.api.submit(prompt="never", max_tokens=8, host="cx-queue")
+def test_a_cancelled_queued_job_never_runs(stack: Stack, single: Worker) -> None:
+    busy_job = busy(stack, single)
+    queued = stack.api.submit(prompt="never", max_tokens=8, host=SINGLE)
     assert stack.api.get(f"/v1/jobs/{queued}").json()["status"] == "queued"
 
     response = cancel(stack, queued)
@@ -57,10 +90,10 @@ def test_a_cancelled_queued_job_never_runs(
     assert job["status"] == "cancelled" and job["output"]["finish_reason"] == "cancelled"
     assert cancel(stack, queued).status_code == 409
 
-    assert cancel(stack, busy).status_code == 202
-    assert stack.api.wait_job(busy, timeout_s=2)["status"] == "cancelled"
+    assert cancel(stack, busy_job).status_code == 202
+    assert stack.api.wait_job(busy_job, timeout_s=2)["status"] == "cancelled"
     # The queue is FIFO with one child: once a later job ran, the cancelled one's turn is past.
-    later = stack.api.wait_job(stack.api.submit(prompt="later", max_tokens=4, host="cx-queue"))
+    later = stack.api.wait_job(stack.api.submit(prompt="later", max_tokens=4, host=SINGLE))
     assert later["status"] == "succeeded"
     job = stack.api.get(f"/v1/jobs/{queued}").json()
     assert job["status"] == "cancelled" and job["started_at"] is None
@@ -70,12 +103,11 @@ def test_a_cancelled_queued_job_never_runs(
 
 
 def test_a_cancelled_running_job_keeps_its_text_and_spares_its_batch_and_model(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+    stack: Stack, own: Worker
 ) -> None:
-    worker = new_worker(stack, processes, tiny_model, tmp_path, "cx-run")
-    before = runner_state(stack.store, "cx-run")
-    mate_request = {"prompt": "mate", "max_tokens": 800, "ignore_eos": True, "host": "cx-run"}
-    long = stack.api.submit(**LONG, host="cx-run")
+    before = runner_state(stack.store, OWN)
+    mate_request = {"prompt": "mate", "max_tokens": 800, "ignore_eos": True, "host": OWN}
+    long = stack.api.submit(**LONG, host=OWN)
     mate = stack.api.submit(**mate_request)
     wait_tokens(stack, long)
     wait_tokens(stack, mate)
@@ -95,24 +127,19 @@ def test_a_cancelled_running_job_keeps_its_text_and_spares_its_batch_and_model(
     assert finished["finished_at"] > cancelled["finished_at"]  # it was still in the batch
     alone = stack.api.wait_job(stack.api.submit(**mate_request))
     assert finished["output"]["text"] == alone["output"]["text"]
-    after = runner_state(stack.store, "cx-run")
+    after = runner_state(stack.store, OWN)
     assert after.pid == before.pid and after.model_loads == before.model_loads == 1
     # The cancel's end in the worker's log: one line at info, no traceback of Celery's Ignore.
-    ignored = next(line for line in worker.log_text().splitlines() if f"[{long}] ignored" in line)
+    ignored = next(line for line in own.log_text().splitlines() if f"[{long}] ignored" in line)
     assert "level=info" in ignored and "Traceback" not in ignored
-    assert "celery.exceptions.Ignore" not in worker.log_text()
-
-
-def active_jobs(stack: Stack, host: str) -> int:
-    return int(stack.api.get(f"/v1/runners/tiny@{host}").json()["active_jobs"])
+    assert "celery.exceptions.Ignore" not in own.log_text()
 
 
 def test_a_streaming_client_that_disconnects_cancels_its_job_within_1s(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+    stack: Stack, own: Worker
 ) -> None:
-    new_worker(stack, processes, tiny_model, tmp_path, "cx-cut")
-    pid = runner_state(stack.store, "cx-cut").pid
-    pinned = {"host": "cx-cut", "ignore_eos": True}
+    pid = runner_state(stack.store, OWN).pid
+    pinned = {"host": OWN, "ignore_eos": True}
     client = client_for(stack.api)
     streams: dict[str, Any] = {
         "chat": lambda: client.chat.completions.create(
@@ -127,24 +154,24 @@ def test_a_streaming_client_that_disconnects_cancels_its_job_within_1s(
         job_id = stream.response.headers["x-exo-job-id"]
         for _ in range(20):
             next(stream)
-        assert active_jobs(stack, "cx-cut") == 1, kind
+        assert active_jobs(stack, OWN) == 1, kind
         stream.close()
-        wait_until(lambda: active_jobs(stack, "cx-cut") == 0, 1.0, f"the {kind} job to stop")
+        wait_until(lambda: active_jobs(stack, OWN) == 0, 1.0, f"the {kind} job to stop")
         job = stack.api.wait_job(job_id, timeout_s=1)
         assert job["status"] == "cancelled" and job["output"]["finish_reason"] == "cancelled"
         assert 0 < job["usage"]["completion_tokens"] < 4000, kind
-    assert runner_state(stack.store, "cx-cut").pid == pid
+    assert runner_state(stack.store, OWN).pid == pid
 
 
 def test_a_stream_waiting_in_the_queue_sends_keepalives_and_a_disconnect_cancels_it(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+    stack: Stack, single: Worker
 ) -> None:
-    busy = busy_worker(stack, processes, tiny_model, tmp_path, "cx-wait")
+    busy_job = busy(stack, single)
     body = {
         "messages": CHAT,
         "max_tokens": 8,
         "stream": True,
-        "host": "cx-wait",
+        "host": SINGLE,
     }
     response = stack.api.post("/v1/chat/completions", json=body, stream=True)
     job_id = response.headers["X-Exo-Job-Id"]
@@ -159,17 +186,16 @@ def test_a_stream_waiting_in_the_queue_sends_keepalives_and_a_disconnect_cancels
     response.close()
     job = stack.api.wait_job(job_id, timeout_s=3)  # noticed at the next keepalive or two
     assert job["status"] == "cancelled" and job["started_at"] is None
-    cancel(stack, busy)
+    cancel(stack, busy_job)
 
 
 def test_a_cancelled_or_timed_out_request_returns_its_text_as_length(
-    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+    stack: Stack, own: Worker
 ) -> None:
-    new_worker(stack, processes, tiny_model, tmp_path, "cx-map")
     client = client_for(stack.api)
     request: dict[str, Any] = {"model": "tiny", "messages": CHAT, "max_tokens": 4000}
     timed = client.chat.completions.create(
-        **request, extra_body={"host": "cx-map", "ignore_eos": True, "timeout_s": 1}
+        **request, extra_body={"host": OWN, "ignore_eos": True, "timeout_s": 1}
     )
     assert job_of(stack.api, timed.id)["status"] == "timed_out"
     assert timed.choices[0].finish_reason == "length" and timed.choices[0].message.content
@@ -178,16 +204,14 @@ def test_a_cancelled_or_timed_out_request_returns_its_text_as_length(
     answers: list[openai.types.chat.ChatCompletion] = []
     waiter = threading.Thread(
         target=lambda: answers.append(
-            client.chat.completions.create(
-                **request, extra_body={"host": "cx-map", "ignore_eos": True}
-            )
+            client.chat.completions.create(**request, extra_body={"host": OWN, "ignore_eos": True})
         ),
         daemon=True,
     )
     waiter.start()
-    wait_until(lambda: active_jobs(stack, "cx-map") == 1, 10, "the job to run")
+    wait_until(lambda: active_jobs(stack, OWN) == 1, 10, "the job to run")
     running_jobs = stack.api.get("/v1/jobs", params={"status": "running"}).json()
-    (running,) = [job for job in running_jobs if job["runner_id"] == "tiny@cx-map"]
+    (running,) = [job for job in running_jobs if job["runner_id"] == f"tiny@{OWN}"]
     wait_tokens(stack, running["id"])
     assert cancel(stack, running["id"]).status_code == 202
     waiter.join(timeout=3)

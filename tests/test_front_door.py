@@ -90,6 +90,29 @@ def front_door(processes: Processes, tmp_path: Path) -> FrontDoor:
     return FrontDoor(api.port, store.redis, job_ids)
 
 
+@dataclass
+class Vanishing:
+    """tests/support/vanish.py, running in the background."""
+
+    process: subprocess.Popen[bytes]
+    data_dir: Path
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "vanish.log"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vanishing(module_processes: Processes, tmp_path_factory: pytest.TempPathFactory) -> Vanishing:
+    """Started with the module: its run is mostly the API's I/O timeout on the kernel's timers,
+    idle, so the module's other tests run meanwhile (its test, last, reads the result)."""
+    data_dir = tmp_path_factory.mktemp("vanish")
+    argv = ["unshare", "-rn", sys.executable, "-m", "tests.support.vanish", str(data_dir)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    process = module_processes.start(argv, env, data_dir / "vanish.log")
+    return Vanishing(process, data_dir)
+
+
 def first_bytes(sock: socket.socket) -> bytes:
     head = b""
     while b"\r\n\r\n" not in head:
@@ -427,21 +450,6 @@ def test_a_client_that_stops_reading_is_cut_off_once_its_buffer_is_full(
     assert freed_s < IO_TIMEOUT_S / 3, freed_s
 
 
-def test_a_client_that_vanishes_without_a_fin_is_noticed_by_the_keepalives(
-    tmp_path: Path,
-) -> None:
-    """In a network namespace of its own (see tests/support/vanish.py): the bound is
-    EXO_API_IO_TIMEOUT_S (TCP_USER_TIMEOUT) plus one keepalive interval."""
-    argv = ["unshare", "-rn", sys.executable, "-m", "tests.support.vanish", str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["full_status"] == 503 and result["full_retry_after"] == "1", result
-    assert result["full_error"]["type"] == "streams_full", result
-    assert result["noticed_s"] < IO_TIMEOUT_S + 1 + 5, result
-
-
 def test_a_running_job_shows_its_tokens_text_and_timings_so_far(stack: Stack) -> None:
     job_id = stack.api.submit(prompt="progress", max_tokens=4000, ignore_eos=True, **HOST_A)
 
@@ -476,3 +484,16 @@ def test_a_streamed_completion_for_an_unknown_model_is_refused_before_the_stream
     error = response.json()["error"]
     assert error["code"] == "model_not_found" and error["param"] == "model", error
     assert "no-such-model" in error["message"]
+
+
+def test_a_client_that_vanishes_without_a_fin_is_noticed_by_the_keepalives(
+    vanishing: Vanishing,
+) -> None:
+    """In a network namespace of its own (see tests/support/vanish.py): the bound is
+    EXO_API_IO_TIMEOUT_S (TCP_USER_TIMEOUT) plus one keepalive interval."""
+    returncode = vanishing.process.wait(timeout=240)
+    assert returncode == 0, vanishing.log_path.read_text(errors="replace")[-3000:]
+    result = json.loads((vanishing.data_dir / "result.json").read_text())
+    assert result["full_status"] == 503 and result["full_retry_after"] == "1", result
+    assert result["full_error"]["type"] == "streams_full", result
+    assert result["noticed_s"] < IO_TIMEOUT_S + 1 + 5, result

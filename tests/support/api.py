@@ -34,7 +34,10 @@ class Api:
         self.app = create_app(settings)
         self.server: BaseWSGIServer = make_server("127.0.0.1", 0, self.app, threaded=True)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # Its loop checks for shutdown every poll_interval: at the default 0.5 s, each close
+        # (one per test for a function's API) waited up to that long.
+        serve = {"poll_interval": 0.05}
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs=serve, daemon=True)
         self.thread.start()
         self.http = requests.Session()
 

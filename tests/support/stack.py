@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exo_tasks.naming import host_queue, runner_id_for
 from exo_tasks.store import Store
 from tests.support import workers
 from tests.support.api import Api
@@ -39,6 +40,19 @@ def wait_tokens(stack: Stack, job_id: str, at_least: int = 3) -> None:
         10,
         f"tokens of job {job_id}",
     )
+
+
+def idle(stack: Stack, worker: Worker) -> Worker:
+    """`worker`, once no job of an earlier test is on its tiny runner or in its host's queue:
+    for a host a module's tests share."""
+
+    def quiet() -> bool:
+        state = stack.store.runners.get(runner_id_for("tiny", worker.host))
+        busy = state is None or state.active_jobs > 0
+        return not busy and stack.store.jobs.queue_depth(host_queue(worker.host)) == 0
+
+    wait_until(quiet, 30, f"{worker.host} idle")
+    return worker
 
 
 def new_worker(

@@ -2,9 +2,9 @@
 tests.support.vanish DIR` (a network namespace of its own, where this unprivileged process may
 change routes). It starts redis-server and `exo-tasks api` (one worker, EXO_MAX_STREAMS=1)
 there, opens one job stream from 127.0.0.2, then blackholes 127.0.0.2: the API's writes to it
-are never acknowledged, as with a client whose host lost power. It prints, as JSON, how the
-API answered a second stream while the first was open, and how long until a second stream was
-accepted, that is until the API noticed the vanished one and closed it."""
+are never acknowledged, as with a client whose host lost power. It writes to DIR/result.json
+how the API answered a second stream while the first was open, and how long until a second
+stream was accepted, that is until the API noticed the vanished one and closed it."""
 
 from __future__ import annotations
 
@@ -77,4 +77,5 @@ def main(data_dir: Path) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]))))
+    data_dir = Path(sys.argv[1])
+    (data_dir / "result.json").write_text(json.dumps(main(data_dir)))
