@@ -143,6 +143,11 @@ class Observations:
         self._pending[(metric.key, f"{label_field}|{bucket}")] += count
         self._pending[(metric.key, f"{label_field}|{SUM}")] += value * count
 
+    def absorb(self, other: Observations) -> None:
+        """Add `other`'s increments to these."""
+        for key, amount in other._pending.items():
+            self._pending[key] += amount
+
     def write(self, pipe: Any) -> None:
         """Queue the increments on a Redis pipeline; `clear()` once it has been sent."""
         for (key, field), amount in self._pending.items():

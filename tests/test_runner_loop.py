@@ -180,10 +180,12 @@ def test_a_flood_of_slow_refusals_is_taken_over_rounds_each_with_a_step(
         runner._serve_once()
         # The budget, and the command under way when it ran out.
         assert time.monotonic() - started < runner_module.COMMANDS_BUDGET_S + 0.03 + 0.05
+        runner.outbox.drain()  # the round's writes, in the store
         tokens, endings = steps[-1]
         assert [job_id for job_id, _ in tokens] == [decoding.job.id]  # the batch stepped
         assert 1 <= len(endings) < 30
     runner._flush()
+    runner.outbox.drain()
     refused = [job for _, endings in steps for job in endings]
     assert len(refused) == 30 and all(job.status == JobStatus.FAILED for job in refused)
     assert refused[0].error == (
@@ -229,6 +231,7 @@ def test_a_step_streams_tokens_and_ends_jobs_through_the_outbox(runner: Runner) 
     runner.in_flight.admit(long)
 
     runner._step()  # one token each; the short job is done
+    runner.outbox.drain()
 
     tokens, endings = store_of(runner).steps[-1]
     assert [(job_id, token.text) for job_id, token in tokens] == [

@@ -5,7 +5,8 @@
   commands, bursts, steps, stopping); `in_flight`: the jobs in the batch (admitted or refused,
   ended, requeued, expired); `intake`: its inbox read by a thread of its own, a prompt over the
   token cap for certain refused there.
-- `active_job`, `outbox`: a job in the batch, and what the runner owes Redis.
+- `active_job`, `outbox`, `step_writer`: a job in the batch, what the runner owes Redis, and
+  the thread that writes each step's share of it.
 - `engine`, `lane`, `lane_threads`: continuous batching over mlx-lm's `BatchGenerator`.
 - `sampling`, `prompt_cache`, `toolcalls`, `keep_alive`: a job's own sampling, the prompt
   cache, tool calls out of streamed text, when an idle runner unloads.
@@ -33,5 +34,6 @@ __all__ = [
     "ring",
     "sampling",
     "schedule",
+    "step_writer",
     "toolcalls",
 ]

@@ -148,6 +148,7 @@ class InFlight:
 
     def requeue_all(self) -> None:
         """The worker is stopping: unfinished jobs go back to the queue for another attempt."""
+        self.outbox.drain()  # each job's `requeued` after the tokens of the attempt it ends
         for job_id in list(self.jobs):
             del self.jobs[job_id]
             self.loaded.remove(job_id)

@@ -1,6 +1,8 @@
 """What a runner owes Redis: its jobs' tokens and endings, the metrics observed with them, and
 its own published state. Kept here while Redis is down and delivered in order once it is back,
-so the jobs' streams stay complete.
+so the jobs' streams stay complete. Each step's writes travel on a thread of their own
+(`exo_tasks.runner.step_writer`); every other write waits for them (`drain`), so that it
+follows the steps before it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import redis
 
 from exo_tasks import lifecycle, metrics
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.runner.step_writer import Step, StepWriter, StepWrites
 from exo_tasks.types import JobRecord, TokenEvent, utcnow
 
 log = logging.getLogger("exo_tasks.runner")
@@ -25,16 +28,6 @@ STATE_DELAY_S = 0.05
 
 class RunnerWrites(Protocol):
     def publish(self, state: RunnerState, *, status_changed: bool = True) -> None: ...
-
-
-class StepWrites(Protocol):
-    def write_step(
-        self,
-        runner_id: str,
-        tokens: list[tuple[str, TokenEvent]],
-        observations: metrics.Observations,
-        endings: list[JobRecord],
-    ) -> None: ...
 
 
 class OutboxStore(Protocol):
@@ -62,6 +55,7 @@ class Outbox:
         self, store: OutboxStore, state: RunnerState, occupancy: Callable[[], Occupancy]
     ) -> None:
         self.store = store
+        self.writer = StepWriter(store.jobs, state.id)
         self.state = state
         self.occupancy = occupancy
         self.tokens: list[tuple[str, TokenEvent]] = []
@@ -93,12 +87,17 @@ class Outbox:
                 return
             self.state = moved
         try:
+            self.drain()
             self.store.runners.publish(self.state, status_changed=changed)
             self.state_unpublished = False
         except (redis.ConnectionError, redis.TimeoutError):
             self.state_unpublished = True  # published again once Redis is back
         if changed:
             log.info("runner status %s", self.state.status, extra={"runner_status": status})
+
+    def drain(self) -> None:
+        """Wait until the steps flushed so far are in Redis (raises as `flush`)."""
+        self.writer.drain()
 
     def jobs_changed(self) -> None:
         """Publish Running/Ready and active_jobs with the next tokens or endings, after them (the
@@ -108,12 +107,15 @@ class Outbox:
 
     def flush(self, *, stopping: bool) -> None:
         """Send the tokens and job endings not yet in Redis, with the metrics observed since the
-        last flush; then the runner's state if jobs came or went. `stopping`: the stop's status
+        last flush (on the writer's thread; raises what its last write raised, after trying it
+        again); then the runner's state if jobs came or went. `stopping`: the stop's status
         stands, whatever the jobs."""
         wrote = bool(self.tokens or self.endings)
         if wrote:
-            self.store.jobs.write_step(self.state.id, self.tokens, self.observations, self.endings)
+            self.writer.put(Step(self.tokens, self.observations, self.endings))
             self.tokens, self.endings = [], []
+            self.observations = metrics.Observations()
+        self.writer.check()
         due = self.state_due is not None and (wrote or time.monotonic() >= self.state_due)
         if due or self.state_unpublished:
             self._publish_jobs(stopping)

@@ -49,16 +49,20 @@ class Chaos:
     data_dir: Path
 
     def worker(self, host: str, **settings: Any) -> Worker:
-        worker = start_worker(
-            self.processes,
-            self.redis.url,
-            host,
-            [self.model],
-            self.data_dir,
-            **settings,
-        )
-        wait_runner_ready(self.store, worker)
+        (worker,) = self.workers([host], **settings)
         return worker
+
+    def workers(self, hosts: list[str], **settings: Any) -> list[Worker]:
+        """Workers started together (their boots overlap), each waited for until it is ready."""
+        workers = [
+            start_worker(
+                self.processes, self.redis.url, host, [self.model], self.data_dir, **settings
+            )
+            for host in hosts
+        ]
+        for worker in workers:
+            wait_runner_ready(self.store, worker)
+        return workers
 
     def outcome(self, job_ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
         """Every job's final record, once all are terminal."""
@@ -235,8 +239,7 @@ def test_redis_down_longer_than_a_heartbeat_requeues_and_fails_nothing(
     # Two hosts: whichever holds the recovery lease must not judge the other, whose next beat
     # may come up to 2 s after its first sweep.
     hosts = ["chaos-outage-a", "chaos-outage-b"]
-    for host in hosts:
-        chaos.worker(host)
+    chaos.workers(hosts)
     ids = [
         chaos.api.submit(prompt=f"through {h}", max_tokens=1500, ignore_eos=True, host=h)
         for h in hosts

@@ -1,0 +1,102 @@
+"""A runner's step writes on a thread of their own (exo_tasks.runner.step_writer): the loop
+hands a step over without waiting for Redis; the steps reach Redis in order, those that waited
+merged into one write; a refused write is kept in front of the later ones and tried again only
+when the loop asks, which raises while Redis still refuses."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from exo_tasks import metrics
+from exo_tasks.runner.step_writer import Step, StepWriter
+from exo_tasks.types import JobRecord, TokenEvent
+from tests.unit.fakes import new_job
+
+WAIT_S = 5.0
+
+
+class SlowRedis:
+    """`write_step` as the store has it, which waits while `gate` is closed; `down`: refused."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[list[int], list[str], float]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.writing = threading.Event()
+        self.down = False
+
+    def write_step(self, runner_id: str, *step: Any) -> None:
+        tokens, observations, endings = step
+        self.writing.set()
+        assert self.gate.wait(WAIT_S)
+        if self.down:
+            raise redis.ConnectionError("Connection refused (fake)")
+        pipe = CountingPipe()
+        observations.write(pipe)
+        self.written.append(([t.index for _, t in tokens], [j.id for j in endings], pipe.total))
+
+
+class CountingPipe:
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def hincrbyfloat(self, key: str, field: str, amount: float) -> Any:
+        self.total += amount
+
+
+def step(*indices: int, ended: JobRecord | None = None) -> Step:
+    observations = metrics.Observations()
+    observations.inc(metrics.PREFIX_CACHE_HITS, len(indices), model="tiny")
+    tokens = [("j1", TokenEvent(index=i, text="x")) for i in indices]
+    return Step(tokens, observations, [ended] if ended else [])
+
+
+def test_a_step_is_handed_over_without_waiting_for_redis() -> None:
+    slow = SlowRedis()
+    writer = StepWriter(slow, "tiny@unit")
+    slow.gate.clear()  # Redis answers only once the gate opens
+    writer.put(step(0))
+    assert slow.writing.wait(WAIT_S)
+    writer.put(step(1))  # returns while the first write waits
+    writer.check()  # nothing failed: returns at once too
+    assert slow.written == []
+    slow.gate.set()
+    writer.drain()
+    assert [indices for indices, _, _ in slow.written] == [[0], [1]]
+
+
+def test_steps_that_wait_are_written_as_one_in_order() -> None:
+    slow = SlowRedis()
+    writer = StepWriter(slow, "tiny@unit")
+    slow.gate.clear()
+    writer.put(step(0))
+    assert slow.writing.wait(WAIT_S)
+    job = new_job()
+    writer.put(step(1, 2))
+    writer.put(step(3, ended=job))
+    slow.gate.set()
+    writer.drain()
+    # The two that waited in one write: their tokens in order, then the job's end, and their
+    # metrics added together.
+    assert slow.written == [([0], [], 1.0), ([1, 2, 3], [job.id], 3.0)]
+
+
+def test_a_refused_write_is_kept_before_the_later_ones_and_tried_again_when_asked() -> None:
+    slow = SlowRedis()
+    writer = StepWriter(slow, "tiny@unit")
+    slow.down = True
+    writer.put(step(0))
+    with pytest.raises(redis.ConnectionError):
+        writer.drain()
+    writer.put(step(1))
+    with pytest.raises(redis.ConnectionError):  # still down: tried again, refused again
+        writer.check()
+    assert slow.written == []
+    slow.down = False
+    writer.check()  # the loop asks again: delivered, in order
+    writer.drain()
+    assert [indices for indices, _, _ in slow.written] == [[0, 1]]
