@@ -18,9 +18,13 @@ QUORUM = 2
 # How long the master must not answer before a Sentinel counts it down (Redis's own default is
 # 30 s); a failover then takes ~2 s more (measured: docs/ha.md).
 DOWN_AFTER_MS = 2000
-# A failover that stalls is tried again after twice this (Redis's default, 3 min, would leave
-# the stack without a master for 6 min after one failed attempt).
-FAILOVER_TIMEOUT_MS = 10_000
+# A failover that stalls or aborts is tried again after twice this. Sentinel 6.2 aborts one
+# ("-failover-abort-no-good-slave") when its last INFO from the replica is over 5 s old, which
+# a machine under load hit in CI: with 10 s the retry came 20 s later, the hosts' heartbeats
+# (10 s) had lapsed on the new master, and jobs were refused as served by no host. At 2 s the
+# retry comes 4 s later, within those heartbeats; a promotion here takes well under 1 s.
+# (Redis's default, 3 min, would leave the stack without a master for 6 min.)
+FAILOVER_TIMEOUT_MS = 2_000
 
 
 def server_dir(settings: Settings, port: int) -> Path:

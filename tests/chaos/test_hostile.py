@@ -483,6 +483,7 @@ def test_an_exception_admitting_one_job_fails_it_and_spares_the_batch(
     over = admit(runner, JobRequest(prompt="c" * 41, max_tokens=2))
     while runner.in_flight.jobs:
         runner._step()
+    runner.outbox.drain()  # the steps' writes, in Redis (the runner writes them on a thread)
 
     failed = store.jobs.get(bad)
     assert failed is not None and failed.status == "failed"

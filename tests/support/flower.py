@@ -31,7 +31,11 @@ class Flower:
         return tasks
 
     def task(self, task_id: str) -> dict[str, Any]:
-        info: dict[str, Any] = self.get(f"/api/task/info/{task_id}", auth=AUTH).json()
+        """Flower's info on the task; empty until Flower has its first event (a 404 till then)."""
+        response = self.get(f"/api/task/info/{task_id}", auth=AUTH)
+        if response.status_code == 404:
+            return {}
+        info: dict[str, Any] = response.json()
         return info
 
     def left_state(self, task_id: str, state: str) -> bool:
