@@ -202,15 +202,20 @@ class EventHub:
                 if key == self._wake_key:
                     self._wake_cursor = entries[-1][0]
                 else:
-                    self._dispatch(jobs[key], entries)
+                    self._dispatch(jobs[key], entries, read_from=streams[key])
             gap_s = min(MAX_READ_GAP_S, READ_GAP_PER_STREAM_S * len(streams))
             time.sleep(max(0.0, started + gap_s - time.monotonic()))
 
-    def _dispatch(self, job_id: str, entries: list[tuple[str, dict[str, str]]]) -> None:
+    def _dispatch(
+        self, job_id: str, entries: list[tuple[str, dict[str, str]]], read_from: str
+    ) -> None:
         parsed = [(entry_id, _event_adapter.validate_json(f["data"])) for entry_id, f in entries]
         with self._lock:
-            if job_id not in self._cursors:
-                return  # its last stream closed meanwhile
+            if self._cursors.get(job_id) != read_from:
+                # Its last stream closed meanwhile, or one joined from an earlier point and set
+                # the cursor back: the next read starts there. Offered now, these events would
+                # make that subscriber skip the ones between (a resumed stream lost tokens).
+                return
             self._cursors[job_id] = parsed[-1][0]
             for sub in self._subscribers[job_id]:
                 for entry_id, event in parsed:
