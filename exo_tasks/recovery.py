@@ -172,18 +172,20 @@ class Recovery:
 
     def recover_own_host(self, previous: HostState | None) -> None:
         """A worker starting on this host: what an earlier incarnation here held is orphaned
-        for sure, so it is recovered now rather than after its heartbeat expires."""
+        for sure, so it is recovered now rather than after its heartbeat expires. Its running
+        jobs are requeued before its messages are restored: a restored message taken at once
+        (by any worker) finds its job queued, not running on a worker that is gone."""
+        self._requeue_running(
+            self.store.jobs.active(),
+            lambda owner: host_of(owner) == self.host,
+            "its worker on this host was restarted",
+        )
         if previous is not None and previous.held:
             self.broker.restore(previous.held)
             log.warning(
                 "messages of the previous worker on this host restored",
                 extra={"incarnation": previous.incarnation, "messages": len(previous.held)},
             )
-        self._requeue_running(
-            self.store.jobs.active(),
-            lambda owner: host_of(owner) == self.host,
-            "its worker on this host was restarted",
-        )
 
     def sweep(self) -> None:
         if time.monotonic() < self._judge_from:

@@ -135,6 +135,18 @@ class SamplingParams(WireModel):
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def outside_vocabulary(self, vocab_size: int) -> tuple[str, str] | None:
+        """The field and why, if it asks for what the model's vocabulary rules out: such a
+        job would make a shared sampler, or the whole batch's step, raise."""
+        if self.top_k >= vocab_size:
+            return "top_k", f"must be below the vocabulary size ({vocab_size})"
+        outside = sorted(token for token in self.logit_bias or {} if token >= vocab_size)
+        if outside:
+            return "logit_bias", (
+                f"token ids {outside[:5]} are outside the vocabulary (size {vocab_size})"
+            )
+        return None
+
 
 class JobRequest(SamplingParams):
     """Body of POST /v1/jobs."""

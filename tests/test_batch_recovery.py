@@ -22,6 +22,9 @@ from tests.support.processes import Processes, start_redis, wait_until
 from tests.support.workers import new_worker
 
 LINES = 300
+# A line long enough to be still running when the worker is killed (a 24-token line's job can
+# end between the test seeing it run and the kill).
+LONG_LINE, LONG_TOKENS = 40, 1500
 
 
 def running(store: Store, batch_id: str) -> bool:
@@ -29,15 +32,27 @@ def running(store: Store, batch_id: str) -> bool:
     return any(job is not None and job.status == "running" for job in jobs)
 
 
-def wait_mid_batch(client: openai.OpenAI, store: Store, batch_id: str) -> None:
-    """Until some lines are done and a line's job runs: the feeder is busy with the batch."""
+def wait_mid_batch(
+    client: openai.OpenAI, store: Store, batch_id: str, line: int | None = None
+) -> None:
+    """Until some lines are done and a line's job (that `line`'s, if given) runs: the feeder is
+    busy with the batch."""
 
     def done_at_least(count: int) -> bool:
         counts = client.batches.retrieve(batch_id).request_counts
         return counts is not None and counts.completed >= count
 
     wait_until(lambda: done_at_least(30), 120, "30 lines done", interval_s=0.2)
-    wait_until(lambda: running(store, batch_id), 30, "a line's job running")
+    if line is None:
+        wait_until(lambda: running(store, batch_id), 30, "a line's job running")
+        return
+    job_id = line_job_id(batch_id, line)
+
+    def line_running() -> bool:
+        job = store.jobs.get(job_id)
+        return job is not None and job.status == "running"
+
+    wait_until(line_running, 60, f"line {line}'s job running")
 
 
 def each_line_once(output: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
@@ -53,12 +68,13 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
     store = Store.from_url(redis.url)
     worker = new_worker(processes, redis.url, store, "bk-1", [tiny_model], tmp_path)
     lines = [chat_line(f"k{i}", f"n{i}", max_tokens=24, ignore_eos=True) for i in range(LINES)]
+    lines[LONG_LINE]["body"]["max_tokens"] = LONG_TOKENS
     settings = api_settings(redis.url, [tiny_model])
     with serving(settings) as api, client_for(api) as client:
         batch_id = start(client, lines).id
         # Mid-batch: jobs running, the feeder's lease held by this worker; killed at once, while
-        # a line's job runs. The API goes too.
-        wait_mid_batch(client, store, batch_id)
+        # the long line's job runs. The API goes too.
+        wait_mid_batch(client, store, batch_id, LONG_LINE)
         worker.process.send_signal(signal.SIGKILL)
         worker.process.wait(timeout=10)
     assert store.batches.inflight(batch_id), "the kill lands with lines in flight"
@@ -73,12 +89,13 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
     assert not errors, errors[:3]  # the requeued jobs ran again and succeeded
     assert batch.request_counts is not None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
-    attempts = [store.jobs.get(line_job_id(batch_id, i)) for i in range(LINES)]
-    assert any(job is not None and job.attempts >= 1 for job in attempts), "none was requeued"
+    long_job = store.jobs.get(line_job_id(batch_id, LONG_LINE))
+    assert long_job is not None and long_job.attempts >= 1, "the job killed running was requeued"
     # Each line's job ran its request once to the end: requeued ones start over.
     for line in output:
         usage = line["response"]["body"]["usage"]
-        assert usage["completion_tokens"] == 24
+        expected = LONG_TOKENS if line["custom_id"] == f"k{LONG_LINE}" else 24
+        assert usage["completion_tokens"] == expected, line["custom_id"]
 
 
 def test_redis_sigkill_and_restart_mid_batch_lose_nothing_twice_nothing(

@@ -1,6 +1,7 @@
 """The API's door for prompts: one over EXO_MAX_PROMPT_TOKENS for certain, counted with the
 model's own tokenizer (exo_tasks.prompt_tokens, no MLX), is a 422 naming its field before
-anything is stored, queued or streamed. What the door cannot judge (a model whose tokenizer
+anything is stored, queued or streamed; so is a `top_k` or `logit_bias` past the tokenizer's
+vocabulary. What the door cannot judge (a model whose tokenizer
 this host cannot read, a chat template's own tokens near the cap) the runner still refuses.
 
 Counting costs CPU: 100,000 characters take 20-40 ms (2-core x86, the `chat` preset's BPE).
@@ -35,15 +36,26 @@ class PromptDoor:
         # Read as the process starts, once per model (a real model's tokenizer.json takes
         # 0.1-0.5 s): ApiContext builds nothing on a first request.
         self.tokenizers = {model_slug(p): prompt_tokens.load(p) for p in settings.served_models}
+        # As the runner counts it (mlx-lm's tokenizer: the vocabulary with its added tokens).
+        self.vocab_sizes = {
+            name: len(tokenizer.get_vocab(with_added_tokens=True))
+            for name, tokenizer in self.tokenizers.items()
+            if tokenizer is not None
+        }
         self.offload = _offloader()
 
     def check(self, request: JobRequest) -> None:
         """422 naming `prompt` or `messages` if the request's prompt is over the cap for
-        certain; nothing if it is not, or if this door cannot tell."""
+        certain, or naming `top_k` or `logit_bias` if they reach past the model's vocabulary;
+        nothing if it is not, or if this door cannot tell."""
         name = find_model(request.model or self.default_model, self.tokenizers)
         tokenizer = self.tokenizers.get(name) if name is not None else None
-        if tokenizer is None:
+        if name is None or tokenizer is None:
             return
+        refused = request.outside_vocabulary(self.vocab_sizes[name])
+        if refused is not None:
+            field, why = refused
+            raise InvalidRequest(f"{field}: {why}", [{"field": field, "message": why}])
         args = (tokenizer, request.prompt, request.messages, self.cap)
         chars = sum(len(m.content) for m in request.messages or []) + len(request.prompt or "")
         try:

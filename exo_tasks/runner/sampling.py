@@ -100,15 +100,11 @@ class Samplers:
 
 
 def check(params: SamplingParams, vocab_size: int) -> None:
-    """ValueError for what only the model's vocabulary rules out: it would make a shared
-    sampler, or the whole batch's step, raise."""
-    if params.top_k >= vocab_size:
-        raise ValueError(f"top_k must be below the vocabulary size ({vocab_size})")
-    outside = sorted(token for token in params.logit_bias or {} if token >= vocab_size)
-    if outside:
-        raise ValueError(
-            f"logit_bias: token ids {outside[:5]} are outside the vocabulary (size {vocab_size})"
-        )
+    """ValueError for what only the model's vocabulary rules out (the API's door refuses it
+    too, where it can read the model's tokenizer)."""
+    refused = params.outside_vocabulary(vocab_size)
+    if refused is not None:
+        raise ValueError(": ".join(refused))
 
 
 def logits_processors(params: SamplingParams) -> list[LogitsProcessor]:

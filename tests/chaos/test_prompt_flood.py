@@ -169,6 +169,35 @@ def test_the_door_refuses_an_over_long_prompt_naming_the_field_and_the_limit(
     assert stack.store.redis.zcard("exo:jobs") == before, "a job was stored"
 
 
+PAST_THE_VOCABULARY = [  # the tiny model's vocabulary is 99 tokens
+    ("/v1/jobs", {"prompt": "hi", "temperature": 1, "top_k": 99}, "top_k"),
+    ("/v1/jobs", {"prompt": "hi", "logit_bias": {"7": 1, "500": 1}}, "logit_bias"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_k": 1000},
+        "top_k",
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"99": 5}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), PAST_THE_VOCABULARY)
+def test_the_door_refuses_sampling_past_the_vocabulary_naming_the_field(
+    stack: Stack, path: str, body: dict[str, Any], field: str
+) -> None:
+    """The runner refuses them too (its sampler would raise for the whole batch); refused
+    there, the OpenAI routes answered a 500 for the client's own input (found by schemathesis)."""
+    before = stack.store.redis.zcard("exo:jobs")
+    response = requests.post(stack.api.url + path, json=body, timeout=30)
+    error = response.json()["error"]
+    assert error["message"].startswith(f"{field}: ") and "vocabulary" in error["message"]
+    if path == "/v1/jobs":
+        assert response.status_code == 422 and error["details"][0]["field"] == field
+    else:  # OpenAI's shape
+        assert response.status_code == 400 and error["param"] == field
+    assert stack.store.redis.zcard("exo:jobs") == before, "a job was stored"
+
+
 def test_a_flood_at_the_door_is_refused_there_beside_a_stream(
     stack: Stack, bystander: Stream
 ) -> None:
