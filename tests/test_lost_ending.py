@@ -23,7 +23,7 @@ from exo_tasks.naming import runner_id_for
 from exo_tasks.store.keys import ACTIVE_JOBS, endings_key, events_key, job_key, runner_key
 from tests.support.processes import Processes, wait_until
 from tests.support.stack import Stack, idle, wait_tokens
-from tests.support.workers import Worker, runner_state, start_worker, wait_runner_ready
+from tests.support.workers import Worker, new_worker, runner_state
 
 HOST = "lost-end"
 LOST = {"prompt": "lost", "max_tokens": 300, "ignore_eos": True, "host": HOST}
@@ -41,9 +41,7 @@ def worker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Worker:
     data_dir = tmp_path_factory.mktemp("lost-end")
-    worker = start_worker(module_processes, stack.redis.url, HOST, [tiny_model], data_dir)
-    wait_runner_ready(stack.store, worker)
-    return worker
+    return new_worker(module_processes, stack.redis.url, stack.store, HOST, [tiny_model], data_dir)
 
 
 def running(stack: Stack, job_id: str) -> dict[str, str]:
