@@ -28,6 +28,17 @@ class CancelJob(BaseModel):
     reason: Literal["cancelled", "time_limit"] = "cancelled"
 
 
+class CheckJob(BaseModel):
+    """From the recovery loop, for a job the store shows running on this runner under `owner`'s
+    attempt `attempt`: a job the runner no longer holds goes back to the queue (its ending was
+    lost with a Redis master that failed over before its replica had it)."""
+
+    kind: Literal["check"] = "check"
+    job_id: str
+    owner: str
+    attempt: int
+
+
 class StopRunner(BaseModel):
     """Warm: finish in-flight jobs for up to `timeout_s`; hard: end them now. Jobs still running
     then end with finish_reason `shutdown`, or go back to the queue when `requeue` (the whole
@@ -50,7 +61,9 @@ class StopRunner(BaseModel):
         return stricter, min(deadline, under_way_deadline)
 
 
-RunnerCommand = Annotated[SubmitJob | CancelJob | StopRunner, Field(discriminator="kind")]
+RunnerCommand = Annotated[
+    SubmitJob | CancelJob | CheckJob | StopRunner, Field(discriminator="kind")
+]
 
 
 # --- Requests to a host's runner supervisor (from the shutdown_runner and load_runner tasks) ---

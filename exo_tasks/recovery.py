@@ -13,7 +13,9 @@ here, from what the system knows of who is alive, never from the broker's visibi
   jobs whose message is in no queue and not unacknowledged anywhere (kombu pops a message before
   it records it, so a SIGKILL in between loses it) are sent again; queued jobs that a prompt
   prefix sent to a dead host's own queue go to their model's; a dead host's runners are
-  marked `Failed`.
+  marked `Failed`; and the runner of every running job is asked whether it still holds it (a
+  Redis failover can lose a job's ending: the job is back to `running` under a live worker
+  that no longer runs it), and requeues it if not.
 - A worker that starts requeues what its previous incarnation on the same host held, at once.
 - After Redis was unreachable, no sweep judges anyone for HEARTBEAT_TTL_S: an outage longer
   than that expired every heartbeat, and the hosts alive all along need a beat to say so.
@@ -32,6 +34,7 @@ import redis
 
 from exo_tasks import lifecycle
 from exo_tasks.broker import Broker, Messages
+from exo_tasks.commands import CheckJob
 from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
 from exo_tasks.naming import host_of_queue, node_name
 from exo_tasks.store import JobWhereabouts, Store, redis_waits
@@ -188,12 +191,18 @@ class Recovery:
             )
 
     def sweep(self) -> None:
-        if time.monotonic() < self._judge_from:
-            return
         now = time.time()
-        hosts, runners = self.store.hosts.fleet()
         active = self.store.jobs.active()
         messages = self.broker.messages(job.queue for job in active if job.queue)
+        if time.monotonic() >= self._judge_from:
+            self._judge(active, messages, now)
+        # Not judged from heartbeats (the runners decide): asked even right after an outage,
+        # when a failover may have lost the endings.
+        self._ask_runners(active, messages, now)
+
+    def _judge(self, active: list[JobWhereabouts], messages: Messages, now: float) -> None:
+        """What heartbeats decide: who is gone, and what their work becomes."""
+        hosts, runners = self.store.hosts.fleet()
         held = {tag for h in hosts for tag in h.held}
         queued = {job.id for job in active if job.status == JobStatus.QUEUED}
         self._restore_orphaned_messages(messages, held, queued, now)
@@ -204,6 +213,27 @@ class Recovery:
         self._resend_lost(active, messages, now)
         self._reroute_from_gone_hosts(active, {h.name for h in hosts})
         self._fail_runners_of_gone_hosts({h.name for h in hosts}, runners)
+
+    def _ask_runners(self, active: list[JobWhereabouts], messages: Messages, now: float) -> None:
+        """Ask the runner of every running job whether it still holds it. A Redis master that
+        fails over before its replica has the last writes can take a job's ending with it: the
+        job is running again on the new master, owned by a live worker, and no runner runs it.
+        Its runner answers (exo_tasks.runner.in_flight) after every command before (the job's
+        hand-over) and after writing its own endings: it requeues the job only then."""
+        asked: list[tuple[str, CheckJob]] = []
+        for job in active:
+            if job.status != JobStatus.RUNNING or job.attempt is None:
+                continue
+            if job.runner_id is None or job.owner is None:
+                continue
+            asked.append(
+                (job.runner_id, CheckJob(job_id=job.id, owner=job.owner, attempt=job.attempt))
+            )
+            if not messages.has_task(job.id):
+                # No task holds its message to give it back once requeued (it saw the ending
+                # before Redis lost it): sent again at the next sweep, not LOST_GRACE_S later.
+                self._missing_since[job.id] = now - LOST_GRACE_S
+        self.store.runners.send_each(asked)
 
     def _restore_orphaned_messages(
         self, messages: Messages, held: set[str], queued: set[str], now: float

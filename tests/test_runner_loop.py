@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import pytest
 
-from exo_tasks.commands import StopRunner, SubmitJob
+from exo_tasks.commands import CancelJob, CheckJob, StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import intake
 from exo_tasks.runner import loop as runner_module
@@ -258,3 +258,63 @@ def test_a_stop_after_another_keeps_the_sooner_deadline_and_requeue() -> None:
 
     hard = StopRunner(mode="hard").after(*first, now=110.0)
     assert hard == (StopRunner(mode="hard", requeue=True), 110.0)
+
+
+class JobsOfTheStore(RunnerWrites):
+    """The runner's writes, and the job records they leave (a step's endings, a requeue)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, JobRecord] = {}
+        self.released: list[str] = []
+        jobs, runners = cast(Any, self.jobs), cast(Any, self.runners)
+        jobs.get, jobs.requeue = self.get, self.requeue
+        runners.release_job = lambda runner_id, job_id: self.released.append(job_id)
+
+    def get(self, job_id: str) -> JobRecord | None:
+        for _, endings in self.steps:  # first writer wins
+            self.records.update((j.id, j) for j in endings if not self.records[j.id].is_terminal)
+        return self.records.get(job_id)
+
+    def requeue(self, job_id: str, *, only_from: str, only_attempt: int) -> JobRecord | None:
+        job = self.get(job_id)
+        if job is None or job.is_terminal or (job.owner, job.attempts) != (only_from, only_attempt):
+            return None
+        self.records[job_id] = job.model_copy(update={"status": JobStatus.QUEUED, "owner": None})
+        return self.records[job_id]
+
+
+def test_a_check_requeues_only_a_job_its_runner_no_longer_holds(runner: Runner) -> None:
+    """The recovery loop's question (exo_tasks.recovery, a Redis failover that lost endings):
+    answered after the commands before it and after the runner's own endings are written."""
+    store = JobsOfTheStore()
+    runner.store = runner.in_flight.store = cast(Store, store)
+    runner.outbox.writer.jobs = store.jobs
+    handed, ended, lost, later = (submit() for _ in range(4))
+    for command in (handed, ended, lost, later):
+        command.job.owner = "host:1:1"
+        store.records[command.job.id] = command.job
+    later.job.attempts = 1  # asked about attempt 0: a later attempt is not the one asked about
+    store.records[later.job.id] = later.job
+    runner.in_flight.admit(ended)
+
+    def check(command: SubmitJob) -> CheckJob:
+        return CheckJob(job_id=command.job.id, owner="host:1:1", attempt=0)
+
+    for queued in (
+        handed,  # its hand-over, then at once the question: it is held by then
+        check(handed),
+        CancelJob(job_id=ended.job.id),  # ended in the same round: written before the answer
+        check(ended),
+        check(lost),  # running in the store, held by no runner: its ending was lost
+        check(later),
+    ):
+        runner.commands.put(queued)
+    runner._take_commands(0.0)
+
+    runner.outbox.drain()
+    assert set(runner.in_flight.jobs) == {handed.job.id}
+    assert store.records[ended.job.id].status == JobStatus.CANCELLED
+    assert store.records[lost.job.id].status == JobStatus.QUEUED
+    assert store.records[later.job.id].status == JobStatus.RUNNING
+    assert store.released == [lost.job.id]

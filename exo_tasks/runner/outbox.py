@@ -96,7 +96,8 @@ class Outbox:
             log.info("runner status %s", self.state.status, extra={"runner_status": status})
 
     def drain(self) -> None:
-        """Wait until the steps flushed so far are in Redis (raises as `flush`)."""
+        """Wait until every token and ending owed so far is in Redis (raises as `flush`)."""
+        self._put()
         self.writer.drain()
 
     def jobs_changed(self) -> None:
@@ -110,15 +111,21 @@ class Outbox:
         last flush (on the writer's thread; raises what its last write raised, after trying it
         again); then the runner's state if jobs came or went. `stopping`: the stop's status
         stands, whatever the jobs."""
-        wrote = bool(self.tokens or self.endings)
-        if wrote:
-            self.writer.put(Step(self.tokens, self.observations, self.endings))
-            self.tokens, self.endings = [], []
-            self.observations = metrics.Observations()
+        wrote = self._put()
         self.writer.check()
         due = self.state_due is not None and (wrote or time.monotonic() >= self.state_due)
         if due or self.state_unpublished:
             self._publish_jobs(stopping)
+
+    def _put(self) -> bool:
+        """Hand the tokens and endings not yet sent, with the metrics observed since the last
+        ones, to the writer's thread. False if there were none."""
+        if not (self.tokens or self.endings):
+            return False
+        self.writer.put(Step(self.tokens, self.observations, self.endings))
+        self.tokens, self.endings = [], []
+        self.observations = metrics.Observations()
+        return True
 
     def _publish_jobs(self, stopping: bool) -> None:
         self.state_due = None

@@ -59,13 +59,15 @@ class Admission:
 @dataclass(frozen=True)
 class JobWhereabouts:
     """Where an active job is: the queue its message goes to and, once running, the worker
-    incarnation that owns it and the runner that has it."""
+    incarnation that owns it, the runner that has it and the attempt (None: handed over before
+    attempts were recorded here)."""
 
     id: str
     status: JobStatus
     queue: str
     owner: str | None
     runner_id: str | None
+    attempt: int | None = None
 
 
 class JobRecords(RedisPart):
@@ -280,13 +282,18 @@ class JobRecords(RedisPart):
     def fail(self, job_id: str, error: str) -> bool:
         return self.end(job_id, JobStatus.FAILED, error=error)
 
-    def requeue(self, job_id: str, *, only_from: str | None = None) -> JobRecord | None:
+    def requeue(
+        self, job_id: str, *, only_from: str | None = None, only_attempt: int | None = None
+    ) -> JobRecord | None:
         """Put an unfinished job back to `queued` for another attempt (its worker stopped or
-        died); `only_from`: only while that worker incarnation still owns it. A job whose
-        cancel was accepted ends `cancelled` instead: a cancel is final. Returns the record as
-        requeued, or None if the job had ended or moved on."""
+        died); `only_from`: only while that worker incarnation still owns it (and, with
+        `only_attempt`, still in that attempt). A job whose cancel was accepted ends
+        `cancelled` instead: a cancel is final. Returns the record as requeued, or None if the
+        job had ended or moved on."""
         job = self.get(job_id)
         if job is None or job.is_terminal or (only_from is not None and job.owner != only_from):
+            return None
+        if only_attempt is not None and job.attempts != only_attempt:
             return None
         if self.redis.hexists(job_key(job_id), "cancel"):
             text, tokens = self.streams.streamed_text(job_id)
@@ -323,9 +330,18 @@ class JobRecords(RedisPart):
         ids = sorted(self.redis.smembers(ACTIVE_JOBS))
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hmget(job_key(job_id), "status", "queue", "owner", "runner")
+            pipe.hmget(job_key(job_id), "status", "queue", "owner", "runner", "attempt")
         return [
-            JobWhereabouts(job_id, JobStatus(status), queue or "", owner or None, runner or None)
-            for job_id, (status, queue, owner, runner) in zip(ids, pipe.execute(), strict=True)
+            JobWhereabouts(
+                job_id,
+                JobStatus(status),
+                queue or "",
+                owner or None,
+                runner or None,
+                None if attempt is None else int(attempt),
+            )
+            for job_id, (status, queue, owner, runner, attempt) in zip(
+                ids, pipe.execute(), strict=True
+            )
             if status in lifecycle.ACTIVE
         ]

@@ -4,6 +4,7 @@ jobs handed over to it (marked running and put in its inbox in one step)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
@@ -28,10 +29,10 @@ _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 
 # KEYS: job hash, the runner's jobs, the runner's inbox. Arguments (NAMED_ARGS): `record`, the
 # job's as running; `job_id`; `command`, the submit command; `owner`, the worker incarnation
-# that now owns it; `runner_id`; `status`, the new one; `allowed_from`, the statuses it may move
-# from (exo_tasks.lifecycle, `one_set`). A queued job is marked running, counted as the
-# runner's and put in its inbox at once; a job no longer queued (cancelled meanwhile) is left
-# alone.
+# that now owns it; `attempt`, the job's (its requeues so far); `runner_id`; `status`, the new
+# one; `allowed_from`, the statuses it may move from (exo_tasks.lifecycle, `one_set`). A queued
+# job is marked running, counted as the runner's and put in its inbox at once; a job no longer
+# queued (cancelled meanwhile) is left alone.
 HAND_OVER = (
     NAMED_ARGS
     + f"""
@@ -39,7 +40,7 @@ local current = redis.call('HGET', KEYS[1], 'status')
 if not one_of(current, a.allowed_from) then return 0 end
 {leave_waiting("a.status", "a.job_id")}
 redis.call('HSET', KEYS[1], 'status', a.status, 'record', a.record)
-redis.call('HSET', KEYS[1], 'owner', a.owner, 'runner', a.runner_id)
+redis.call('HSET', KEYS[1], 'owner', a.owner, 'runner', a.runner_id, 'attempt', a.attempt)
 redis.call('SADD', KEYS[2], a.job_id)
 redis.call('RPUSH', KEYS[3], a.command)
 return 1
@@ -115,6 +116,7 @@ class RunnerRecords(RedisPart):
             job_id=job.id,
             command=command.model_dump_json(context=STORED),
             owner=job.owner or "",
+            attempt=job.attempts,
             runner_id=runner_id,
             status=job.status,
             allowed_from=one_set(lifecycle.HAND_OVER_FROM),
@@ -123,6 +125,13 @@ class RunnerRecords(RedisPart):
 
     def send(self, runner_id: str, command: RunnerCommand) -> None:
         self.redis.rpush(runner_key(runner_id, "inbox"), command.model_dump_json())
+
+    def send_each(self, commands: Iterable[tuple[str, RunnerCommand]]) -> None:
+        """Commands to runners (runner id, command), in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for runner_id, command in commands:
+            pipe.rpush(runner_key(runner_id, "inbox"), command.model_dump_json())
+        pipe.execute()
 
     def next_command(
         self, runner_id: str, timeout_s: float
