@@ -7,7 +7,6 @@ exo_tasks.worker.app worker` and Flower load `app`, built from the environment o
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import instance_service, jobs, recovery
+from exo_tasks import forks, instance_service, jobs, recovery
 from exo_tasks.batch import process as batch_process
 from exo_tasks.broker import Broker, close_every_channel
 from exo_tasks.celery_app import ExoCelery
@@ -44,6 +43,9 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
     label = "runner supervisor"
 
     def create(self, worker: Any) -> RunnerSupervisor:  # type: ignore[override]
+        # The pool's children (and the batch feeder) are forked from this process: each keeps
+        # the pages holding what this process made up to its fork shared, not copied.
+        forks.freeze_at_fork()
         app: ExoCelery = worker.app
         node = worker.hostname
         settings, store = app.settings, app.store
@@ -230,7 +232,4 @@ def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]
 def main(settings: Settings, concurrency: int | None = None) -> None:
     configure_logging(settings.log_level, host=settings.hostname, process="worker")
     app = create_worker_app(settings)
-    # Children are forked from here: keep what exists now out of the cycle collector's way so
-    # copy-on-write pages stay shared.
-    gc.freeze()
     app.worker_main(worker_argv(settings, concurrency))
