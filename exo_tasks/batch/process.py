@@ -69,6 +69,9 @@ def main(settings: Settings, holder: str) -> None:
         signal.signal(signum, signal.SIG_DFL)
     with contextlib.suppress(OSError):  # no /proc: not Linux
         Path("/proc/self/comm").write_text(PROCESS_NAME)
+    # Celery's main process writes its stdout and stderr into its own logger, which would drop
+    # what ours writes there (a logger writing into a logger): back to the process's own.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     configure_logging(settings.log_level, host=settings.hostname, process="batch-feeder")
     feeder = BatchFeeder(ExoCelery(settings, role="batch-feeder"), holder)
     signal.signal(signal.SIGTERM, lambda *_: feeder.stop())
