@@ -1,7 +1,8 @@
 """The worker: one `celery worker` per host, with the runner supervisor as a bootstep.
 
 `exo-tasks worker` builds its app from the settings it is given (`main`); `celery -A
-exo_tasks.worker.app worker` and Flower load `app`, built from the environment on first use.
+exo_tasks.worker.app worker` loads `app`, built from the environment on first use (Flower has
+an app of its own: exo_tasks.flower_app).
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def create_worker_app(settings: Settings) -> ExoCelery:
 
 @functools.cache
 def default_app() -> ExoCelery:
-    """The app for `celery -A exo_tasks.worker.app` and Flower: built from the environment's
-    settings on first use, not at import."""
+    """The app for `celery -A exo_tasks.worker.app`: built from the environment's settings on
+    first use, not at import."""
     return create_worker_app(Settings())
 
 
