@@ -94,7 +94,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             stuck_after_s=settings.runner_start_timeout_s + recovery.STUCK_MARGIN_S,
         )
 
-        self.feeder: Any = None  # spawned in start()
+        self.feeder: Any = None  # started in start()
 
         def on_stopped() -> None:
             self.keeper.stop()
