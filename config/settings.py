@@ -5,17 +5,22 @@ from __future__ import annotations
 import socket
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exo_tasks import limits
-from exo_tasks.instances import CONFIG_FORMAT, InstanceRequest, parse_instances
 
 # Names live in exo_tasks.naming; this stays importable from here for older imports.
+from exo_tasks.naming import INSTANCES_FORMAT
 from exo_tasks.naming import model_slug as model_slug
 from exo_tasks.redis_auth import PASSWORD_FILE, redis_password
-from exo_tasks.redis_sentinel import Sentinels, parse_addresses
+from exo_tasks.sentinel_addresses import parse_addresses
+
+if TYPE_CHECKING:
+    from exo_tasks.instances import InstanceRequest
+    from exo_tasks.redis_sentinel import Sentinels
 
 # The model a host serves when EXO_MODELS is empty, made at start: the `chat` preset.
 DEFAULT_PRESET = "chat"
@@ -93,7 +98,7 @@ class Settings(BaseSettings):
     instances: str = Field(
         "",
         description="Model instances across hosts, placed when a worker starts (the same list "
-        f"on every host is placed once): {CONFIG_FORMAT}. "
+        f"on every host is placed once): {INSTANCES_FORMAT}. "
         "E.g. '/models/big@mac-a,mac-b;mlx-community/Llama-3.3-70B@a,b,c,d:tensor'.",
     )
 
@@ -245,6 +250,8 @@ class Settings(BaseSettings):
             password_file = self.data_dir / "redis" / PASSWORD_FILE
         if not addresses:
             return None
+        from exo_tasks.redis_sentinel import Sentinels  # redis-py: see _instances_well_formed
+
         password = redis_password(self.data_dir / "redis")  # made first: the HA stack's too
         sentinel_password = password_file.read_text().strip() if password_file else None
         return Sentinels(
@@ -275,6 +282,8 @@ class Settings(BaseSettings):
     @cached_property
     def configured_instances(self) -> list[InstanceRequest]:
         """EXO_INSTANCES, parsed (checked when the settings are read)."""
+        from exo_tasks.instances import parse_instances  # see _instances_well_formed
+
         return parse_instances(self.instances)
 
     @model_validator(mode="after")
@@ -295,5 +304,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _instances_well_formed(self) -> Settings:
-        parse_instances(self.instances)  # ValueError naming the entry
+        # Imported only when there are some: the launcher and `exo-tasks redis` read these
+        # settings and need neither the wire models nor redis-py's Sentinel (~25 MiB each).
+        if self.instances.strip():
+            from exo_tasks.instances import parse_instances
+
+            parse_instances(self.instances)  # ValueError naming the entry
         return self

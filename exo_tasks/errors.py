@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import redis
 from pydantic import ValidationError
 
 log = logging.getLogger("exo_tasks.api")
@@ -127,6 +126,9 @@ REDIS_RETRY_AFTER_S = 2
 def _unreachable(exc: BaseException | None) -> bool:
     """Redis did not answer (or has no master yet): redis-py's error, also as the cause of
     kombu's OperationalError (a message that could not be sent)."""
+    # Here, not at the top: the launcher and `exo-tasks redis` raise our errors without redis-py.
+    import redis
+
     while exc is not None:
         if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
             return True

@@ -33,9 +33,15 @@ from flower.utils.broker import RedisSentinel
 from flower.views.monitor import Metrics
 from redis.asyncio.sentinel import Sentinel
 
+from config.settings import Settings
 from exo_tasks import flower_pages
-from exo_tasks.worker.app import app
+from exo_tasks.broker import close_every_channel
+from exo_tasks.celery_app import ExoCelery
 
+# Flower's own app, not the worker's (exo_tasks.worker.app): it sends control commands and
+# reads events, and needs none of the worker's supervisor, runners and feeder (~8 MiB).
+close_every_channel()  # as the worker's: a Redis restart must not end Flower's connection
+app = ExoCelery(Settings(), role="flower")
 __all__ = ["app"]
 
 # The realm of Flower's own pages (flower.views.BaseHandler.write_error).

@@ -27,7 +27,12 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, Field, StringConstraints, ValidationError
 
 from exo_tasks.fleet_types import RunnerStatus
-from exo_tasks.naming import INSTANCE_ID_PREFIX, instance_runner_id, model_slug
+from exo_tasks.naming import (
+    INSTANCE_ID_PREFIX,
+    INSTANCES_FORMAT,
+    instance_runner_id,
+    model_slug,
+)
 from exo_tasks.types import utcnow
 from exo_tasks.wire import WireModel
 
@@ -232,8 +237,6 @@ def shutdown(record: InstanceRecord, mode: ShutdownMode) -> InstanceMove:
 
 # --- EXO_INSTANCES ---
 
-CONFIG_FORMAT = "MODEL@HOST,HOST[,...][:tensor|:pipeline], entries separated by ';'"
-
 
 def parse_instances(spec: str) -> list[InstanceRequest]:
     """The instances EXO_INSTANCES names, e.g. `/models/big@mac-a,mac-b;org/llm@a,b,c,d:tensor`
@@ -251,7 +254,7 @@ def parse_instances(spec: str) -> list[InstanceRequest]:
         if colon:
             body["parallel"] = parallel.strip()
         if not at:
-            raise ValueError(f"EXO_INSTANCES entry '{entry}': expected {CONFIG_FORMAT}")
+            raise ValueError(f"EXO_INSTANCES entry '{entry}': expected {INSTANCES_FORMAT}")
         try:
             found.append(InstanceRequest.model_validate(body))
         except ValidationError as exc:

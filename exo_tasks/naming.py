@@ -10,6 +10,8 @@ from pathlib import Path
 NODE_PREFIX = "exo@"
 MODEL_QUEUE_PREFIX = "exo.model."
 HOST_QUEUE_PREFIX = "exo.host."
+# EXO_INSTANCES: what exo_tasks.instances.parse_instances reads.
+INSTANCES_FORMAT = "MODEL@HOST,HOST[,...][:tensor|:pipeline], entries separated by ';'"
 
 
 def model_slug(model: str) -> str:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from config.settings import Settings
 from exo_tasks.redis_auth import private_dir, redis_password, write_private
-from exo_tasks.redis_server import find_redis_server, redis_server_argv
 
 # Two of the three Sentinels must agree the master is down before one of them promotes the
 # replica: one Sentinel cut off from the others never does.
@@ -90,6 +89,10 @@ def sentinel_conf(settings: Settings, port: int, master_port: int) -> Path:
 def ha_argvs(settings: Settings) -> list[tuple[str, list[str]]]:
     """Each process of the HA Redis, named, in start order: the master, the replica, the
     Sentinels. Stopped in the reverse order: the Sentinels first, or they would fail over."""
+    # Here, not at the top: the launcher reads ha_ports and needs none of redis_server's
+    # imports (redis-py and the store).
+    from exo_tasks.redis_server import find_redis_server, redis_server_argv
+
     master_port = current_master(settings)
     password_dir = settings.data_dir / "redis"
     members = []

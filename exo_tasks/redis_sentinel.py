@@ -25,25 +25,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from exo_tasks.sentinel_addresses import parse_addresses
+
 SCHEME = "redis+sentinel"
-DEFAULT_PORT = 26379
 # A Sentinel that does not answer within this is skipped for the next one.
 SENTINEL_TIMEOUT_S = 1.0
-
-
-def parse_addresses(text: str) -> list[tuple[str, int]]:
-    """`host:port,host:port,...` (the port defaults to 26379); ValueError naming a bad entry."""
-    addresses = []
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        host, colon, port = entry.rpartition(":")
-        if not colon:
-            host, port = entry, str(DEFAULT_PORT)
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"EXO_REDIS_SENTINELS: {entry!r} is not host:port")
-        addresses.append((host, int(port)))
-    return addresses
 
 
 class Sentinels(BaseModel, frozen=True):

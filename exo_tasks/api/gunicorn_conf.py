@@ -1,6 +1,7 @@
 """gunicorn's settings for `exo-tasks api` (`gunicorn -c python:exo_tasks.api.gunicorn_conf`),
 from the project's Settings."""
 
+import importlib
 import sys
 from typing import Any
 
@@ -8,8 +9,32 @@ from gunicorn.errors import HaltServer
 
 from config.settings import Settings
 from exo_tasks.api.arrivals import Board, Seating
+from exo_tasks.forks import freeze_at_fork
 from exo_tasks.process_exit import exit_now
 
+# The workers are forked from this master: what it imported stays shared with them.
+freeze_at_fork()
+# And what gevent's monkey patching imports in each worker (~2.5 MiB of each), imported here:
+# gevent's own modules, made to be imported before anything is patched.
+GEVENT_PATCH_MODULES = (
+    "gevent.events",
+    "gevent.lock",
+    "gevent.pool",
+    "gevent.queue",
+    "gevent.select",
+    "gevent.selectors",
+    "gevent.signal",
+    "gevent.ssl",
+    "gevent.subprocess",
+    "gevent.thread",
+    "gevent.threading",
+    "gevent.threadpool",
+    "gevent.time",
+    "gevent.util",
+    "zope.event",
+)
+for _module in GEVENT_PATCH_MODULES:
+    importlib.import_module(_module)
 _settings = Settings()
 # The doors of this host's API processes (see arrivals.py), made here, in the master, so that
 # every worker it forks shares it: a seat for each worker and for its replacement, which a

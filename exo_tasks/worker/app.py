@@ -1,13 +1,13 @@
 """The worker: one `celery worker` per host, with the runner supervisor as a bootstep.
 
 `exo-tasks worker` builds its app from the settings it is given (`main`); `celery -A
-exo_tasks.worker.app worker` and Flower load `app`, built from the environment on first use.
+exo_tasks.worker.app worker` loads `app`, built from the environment on first use (Flower has
+an app of its own: exo_tasks.flower_app).
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import signal
@@ -21,7 +21,7 @@ from celery.worker import components, state
 from celery.worker.control import control_command
 
 from config.settings import Settings
-from exo_tasks import instance_service, jobs, recovery
+from exo_tasks import forks, instance_service, jobs, recovery
 from exo_tasks.batch import process as batch_process
 from exo_tasks.broker import Broker, close_every_channel
 from exo_tasks.celery_app import ExoCelery
@@ -44,6 +44,9 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
     label = "runner supervisor"
 
     def create(self, worker: Any) -> RunnerSupervisor:  # type: ignore[override]
+        # The pool's children (and the batch feeder) are forked from this process: each keeps
+        # the pages holding what this process made up to its fork shared, not copied.
+        forks.freeze_at_fork()
         app: ExoCelery = worker.app
         node = worker.hostname
         settings, store = app.settings, app.store
@@ -91,7 +94,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             stuck_after_s=settings.runner_start_timeout_s + recovery.STUCK_MARGIN_S,
         )
 
-        self.feeder: Any = None  # spawned in start()
+        self.feeder: Any = None  # started in start()
 
         def on_stopped() -> None:
             self.keeper.stop()
@@ -169,8 +172,8 @@ def create_worker_app(settings: Settings) -> ExoCelery:
 
 @functools.cache
 def default_app() -> ExoCelery:
-    """The app for `celery -A exo_tasks.worker.app` and Flower: built from the environment's
-    settings on first use, not at import."""
+    """The app for `celery -A exo_tasks.worker.app`: built from the environment's settings on
+    first use, not at import."""
     return create_worker_app(Settings())
 
 
@@ -230,7 +233,4 @@ def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]
 def main(settings: Settings, concurrency: int | None = None) -> None:
     configure_logging(settings.log_level, host=settings.hostname, process="worker")
     app = create_worker_app(settings)
-    # Children are forked from here: keep what exists now out of the cycle collector's way so
-    # copy-on-write pages stay shared.
-    gc.freeze()
     app.worker_main(worker_argv(settings, concurrency))
