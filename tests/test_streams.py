@@ -169,3 +169,8 @@ def test_a_jobs_round_trips_from_the_api_have_no_subscription_and_one_record_rea
     ], mine
     assert events[-1]["event"] == "done"
     assert events[-1]["data"] == stack.api.get(f"/v1/jobs/{job_id}").json()
+    # Logprobs are kept in a job's record alone: its done event has them all the same.
+    with_logprobs = stack.api.submit(prompt="counted", max_tokens=2, ignore_eos=True, logprobs=True)
+    done = sse.parse(stack.api.get(f"/v1/jobs/{with_logprobs}/stream").text)[-1]
+    assert len(done["data"]["output"]["logprobs"]) == 2
+    assert done["data"] == stack.api.get(f"/v1/jobs/{with_logprobs}").json()
