@@ -53,9 +53,23 @@ class ExoCelery(Celery):
         # No connection yet: the pool connects on first use.
         return Store.from_url(self.settings.effective_redis_url, job_ttl_s=self.settings.job_ttl_s)
 
+    def _get_backend(self) -> Any:
+        """Celery's result backend, less its subscription at each send: Redis's subscribes to
+        a task's result channel as the task is sent, for a `.get()` on the result `send_task`
+        returns. Nothing here waits on a task it sends, and a `.get()` still works (it
+        subscribes, then reads the stored state); each job paid a SUBSCRIBE and, as its
+        result was dropped, an UNSUBSCRIBE."""
+        backend = super()._get_backend()  # type: ignore[misc]  # (not in celery-types)
+        backend.on_task_call = _no_subscription
+        return backend
+
     def renew_store(self) -> None:
         """A new store, with a Redis pool of its own. A forked pool child needs one: a thread
         of the parent (heartbeat, recovery, supervisor) may have held the pool's lock at the
         fork, and the child inherits the lock but not the thread that would release it, so its
         first Redis call would wait for ever."""
         self.store = self._new_store()
+
+
+def _no_subscription(producer: Any, task_id: str) -> None:
+    """A result backend's `on_task_call` that does nothing (ExoCelery._get_backend)."""

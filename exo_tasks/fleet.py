@@ -18,6 +18,8 @@ from exo_tasks.instances import InstanceRecord, InstanceStatus
 from exo_tasks.naming import host_queue, instance_of_runner, model_queue, runner_id_for
 from exo_tasks.shared_read import SharedRead
 from exo_tasks.store import Store
+from exo_tasks.store.hosts import fleet_of
+from exo_tasks.store.metrics import memory_of
 
 
 def is_down(state: RunnerState | None) -> bool:
@@ -39,11 +41,18 @@ class Fleet:
     def load(cls, store: Store) -> Fleet:
         """The fleet; a host whose shutdown has begun is in it no more (the recovery loop still
         counts it live: it owns the jobs it drains)."""
-        hosts, runners = store.hosts.fleet()
+        return cls.of(store.hosts.fleet(), store.instances.all())
+
+    @classmethod
+    def of(
+        cls, read: tuple[list[HostState], list[RunnerState]], instances: list[InstanceRecord]
+    ) -> Fleet:
+        """The fleet from the hosts and runners read (HostRecords.fleet) and the instances."""
+        hosts, runners = read
         return cls(
             hosts={h.name: h for h in hosts if not h.stopping},
             runners={r.id: r for r in runners},
-            instances={i.id: i for i in store.instances.all()},
+            instances={i.id: i for i in instances},
         )
 
     @property
@@ -186,6 +195,26 @@ class Fleet:
             )
 
 
+@dataclass(frozen=True)
+class Door:
+    """What the API reads before it takes a job: Redis's memory in use and its maxmemory
+    (Store.metrics.memory), and the fleet."""
+
+    memory: tuple[int, int]
+    fleet: Fleet
+
+    @classmethod
+    def read(cls, store: Store) -> Door:
+        """Both in one round trip (each was one or two of a job's, on its way in); a second
+        one only to read instances, if there are any."""
+        pipe = store.redis.pipeline(transaction=False)
+        pipe.info("memory")
+        store.hosts.read_fleet(pipe)
+        store.instances.read_ids(pipe)
+        info, fleet, instance_ids = pipe.execute()
+        return cls(memory_of(info), Fleet.of(fleet_of(fleet), store.instances.of(instance_ids)))
+
+
 class SharedReads:
     """The API's: requests that arrive together share each read (exo_tasks.shared_read), so
     a burst of clients costs a few round trips, not a few per client."""
@@ -195,9 +224,14 @@ class SharedReads:
         self._fleet = SharedRead(partial(Fleet.load, store))
         self._depths: dict[str, SharedRead[int]] = {}  # by queue: one per model and host
         self._memory = SharedRead(store.metrics.memory)
+        self._door = SharedRead(partial(Door.read, store))
 
     def fleet(self) -> Fleet:
         return self._fleet.get()
+
+    def door(self) -> Door:
+        """Redis's memory and the fleet, read together (a job's way in)."""
+        return self._door.get()
 
     def memory(self) -> tuple[int, int]:
         """Redis's memory in use and its maxmemory (Store.memory)."""

@@ -210,7 +210,11 @@ def send(
 
 
 def get_or_404(store: Store, job_id: str) -> JobRecord:
-    job = store.jobs.get(job_id)
+    return found_or_404(store.jobs.get(job_id), job_id)
+
+
+def found_or_404(job: JobRecord | None, job_id: str) -> JobRecord:
+    """The job `job_id` as read (None: there is none, 404)."""
     if job is None:
         raise NotFound(f"no job '{job_id}'", {"job_id": job_id})
     return job

@@ -7,11 +7,12 @@ import threading
 import time
 from typing import Any
 
+import psutil
 import pytest
 
 from exo_tasks.api import streams
 from exo_tasks.api.streams import EventHub
-from exo_tasks.store import Store, connect, events_key
+from exo_tasks.store import Store, connect, events_key, job_key
 from exo_tasks.types import TokenEvent
 from tests.support import sse
 from tests.support.clients import HOST_A
@@ -128,3 +129,48 @@ def test_a_stream_that_resumes_while_the_reader_reads_later_events_gets_every_ev
             indexes = [event.index for _, event in resumed.take(0) if isinstance(event, TokenEvent)]
     store.redis.delete(events_key(job_id))
     assert indexes == [2, 3, 4, 5]
+
+
+def test_a_jobs_round_trips_from_the_api_have_no_subscription_and_one_record_read(
+    stack: Stack,
+) -> None:
+    """What the API asks Redis for a job, sent and streamed (issue 32: a 1-token job's queue
+    overhead). Celery subscribes to a task's result channel as it is sent, for a `.get()`
+    nobody makes here: no SUBSCRIBE. The stream reads the job's record once, with its last
+    event as it opens, and not again for its `done`, which is the job as GET shows it."""
+    monitor = connect(stack.redis.url)
+    seen: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        with monitor.monitor() as commands:  # type: ignore[no-untyped-call]
+            while not stop.is_set():
+                seen.append(commands.next_command())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.2)  # MONITOR is on
+    job_id = stack.api.submit(prompt="counted", max_tokens=2, ignore_eos=True)
+    events = sse.parse(stack.api.get(f"/v1/jobs/{job_id}/stream").text)
+    stop.set()
+    stack.store.ping()  # the watcher's last command
+    watcher.join(5)
+    # The API runs in this process: its commands come from this process's connections.
+    ours = {
+        c.laddr.port
+        for c in psutil.Process().net_connections("tcp")
+        if c.raddr and c.raddr.port == stack.redis.port
+    }
+    api = [c["command"] for c in seen if c["client_port"] and int(c["client_port"]) in ours]
+    mine = [command for command in api if job_id in command]
+    assert mine and not [c for c in api if "SUBSCRIBE" in c.split(" ")[0]], api
+    assert [c for c in mine if c.startswith("HGET") and c.endswith(" record")] == [
+        f"HGET {job_key(job_id)} record"
+    ], mine
+    assert events[-1]["event"] == "done"
+    assert events[-1]["data"] == stack.api.get(f"/v1/jobs/{job_id}").json()
+    # Logprobs are kept in a job's record alone: its done event has them all the same.
+    with_logprobs = stack.api.submit(prompt="counted", max_tokens=2, ignore_eos=True, logprobs=True)
+    done = sse.parse(stack.api.get(f"/v1/jobs/{with_logprobs}/stream").text)[-1]
+    assert len(done["data"]["output"]["logprobs"]) == 2
+    assert done["data"] == stack.api.get(f"/v1/jobs/{with_logprobs}").json()

@@ -56,12 +56,13 @@ class ApiContext:
         self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
 
-    def refuse_if_storage_low(self) -> None:
+    def refuse_if_storage_low(self, memory: tuple[int, int] | None = None) -> None:
         """503 (storage_full) for a client's new job, file or batch once Redis holds its
         maxmemory less the fleet's reserve: the fleet's own writes (heartbeats, running jobs'
         tokens, endings, cancels) keep that room, while Redis refuses every write past
-        maxmemory, whoever writes. A quarter of maxmemory at most is reserved."""
-        used, limit = self.reads.memory()
+        maxmemory, whoever writes. A quarter of maxmemory at most is reserved. `memory`: Redis's
+        memory in use and its maxmemory as just read (a Door), else read here."""
+        used, limit = memory or self.reads.memory()
         reserve = min(self.settings.redis_reserve_mb << 20, limit // 4)
         if limit and used >= limit - reserve:
             raise StorageFull(

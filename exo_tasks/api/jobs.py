@@ -16,6 +16,7 @@ from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
+from exo_tasks.store import Store
 from exo_tasks.types import MAX_LIST_LIMIT, DoneEvent, JobEnding, JobRecord, JobStatus, utcnow
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -36,8 +37,10 @@ def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
     context.prompt_door.check(job_request)
-    context.refuse_if_storage_low()
-    job = context.submit(job_request, client=auth.client(job_request.user))
+    door = context.reads.door()
+    context.refuse_if_storage_low(door.memory)
+    where = jobs.route(door.fleet, context.settings, job_request, context.store)
+    job = context.submit(job_request, where=where, client=auth.client(job_request.user))
     return jsonify(summary(job)), 202
 
 
@@ -94,22 +97,23 @@ def with_progress(listed: list[JobRecord]) -> list[JobRecord]:
 def stream_job(job_id: str) -> Response:
     """Tokens as `event: token`, then `event: done` (or `error`) with the job. Each event's
     `id:` is its stream position, so `Last-Event-ID` resumes without loss or repetition."""
-    get_or_404(job_id)
-    after = _resume_after()
     context = ctx()
+    read, last = context.store.jobs.with_last_event(job_id)  # one round trip
+    job = jobs.found_or_404(read, job_id)
+    after = _resume_after()
     release = context.streams.acquire()
     overflow = streams.close_connection(request.environ)
 
     def events() -> Iterator[str]:
         yield KEEPALIVE  # the first byte at once, whatever the job is doing
         try:
-            for item in streams.follow(context.hub, context.store, job_id, after, overflow):
+            for item in streams.follow_from(context.hub, job_id, last, after, overflow):
                 if item is None:
                     yield KEEPALIVE
                     continue
                 event_id, event = item
                 data = (
-                    public(context.store.jobs.final(event))
+                    public(_final(context.store, job, event))
                     if isinstance(event, DoneEvent)
                     else event.model_dump(exclude={"event"})
                 )
@@ -121,6 +125,15 @@ def stream_job(job_id: str) -> Response:
             yield sse_event("", "error", {"type": "unavailable", "message": message})
 
     return sse_response(events(), on_close=release)
+
+
+def _final(store: Store, job: JobRecord, done: DoneEvent) -> JobEnding:
+    """The job whole as it ended: its ending with its request as read when its stream opened
+    (a job's request never changes), or, for its logprobs, which only its record keeps, its
+    record (Store.jobs.final)."""
+    if job.request.logprobs:
+        return store.jobs.final(done)
+    return JobRecord.model_construct(**dict(done.job), request=job.request)
 
 
 def _resume_after() -> str:

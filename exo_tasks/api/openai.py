@@ -69,22 +69,27 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
         context.prompt_door.check(job_request)
-        context.refuse_if_storage_low()
+        door = context.reads.door()
+        context.refuse_if_storage_low(door.memory)
+        where = jobs.route(door.fleet, context.settings, job_request, context.store)
         if body.stream:
-            return _open_stream(context, renderer, job_request, body.include_usage)
-    job = context.submit(job_request, client=auth.client(job_request.user))
+            return _open_stream(context, renderer, job_request, where, body.include_usage)
+    job = context.submit(job_request, where=where, client=auth.client(job_request.user))
     response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
     response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
     return response
 
 
 def _open_stream(
-    context: ApiContext, renderer: Renderer, job_request: JobRequest, include_usage: bool
+    context: ApiContext,
+    renderer: Renderer,
+    job_request: JobRequest,
+    where: jobs.Route,
+    include_usage: bool,
 ) -> Response:
-    """A streamed answer whose job is submitted after its first byte (see _stream). Errors keep
-    their statuses before the first byte, a full queue's or a client's full quota's 429 too
-    (the job's creation counts again: these are reads)."""
-    where = jobs.route(context.reads.fleet(), context.settings, job_request, context.store)
+    """A streamed answer whose job is submitted after its first byte (see _stream), to
+    `where`. Errors keep their statuses before the first byte, a full queue's or a client's
+    full quota's 429 too (the job's creation counts again: these are reads)."""
     depth = context.reads.queue_depth(where.queue)
     jobs.refuse_if_full(where.queue, depth, context.settings)
     client = auth.client(job_request.user)

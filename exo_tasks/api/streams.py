@@ -288,6 +288,18 @@ def follow(
         except (redis.ConnectionError, redis.TimeoutError):
             yield None
             time.sleep(KEEPALIVE_S)
+    yield from follow_from(hub, job_id, last, after, on_overflow)
+
+
+def follow_from(
+    hub: EventHub,
+    job_id: str,
+    last: Entry | None,
+    after: str = "0-0",
+    on_overflow: Callable[[], None] = lambda: None,
+) -> Iterator[tuple[str, JobEvent] | None]:
+    """As `follow`, given the last event of the job's stream (None: it has none yet) as read
+    just now."""
     end = "0-0" if last is None else last[0]
     if last is not None and isinstance(last[1], DoneEvent) and stream_id(end) <= stream_id(after):
         yield last

@@ -4,6 +4,8 @@ prompt prefixes (exo_tasks.prefix_routing)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import TypeAdapter
 
 from exo_tasks.commands import SupervisorRequest
@@ -97,10 +99,13 @@ class HostRecords(RedisPart):
         """The hosts whose heartbeat has not expired (expired ones are forgotten) and every
         runner, by name, in one round trip: the API reads both for every job it takes."""
         keys = [HOSTS, RUNNERS]
-        host_raws, runner_raws = self.script(FLEET)(keys=keys, args=[host_key(""), runner_key("")])
-        hosts = [HostState.model_validate_json(raw) for raw in host_raws]
-        runners = [RunnerState.model_validate_json(raw) for raw in runner_raws]
-        return sorted(hosts, key=lambda h: h.name), sorted(runners, key=lambda r: r.id)
+        return fleet_of(self.script(FLEET)(keys=keys, args=[host_key(""), runner_key("")]))
+
+    @staticmethod
+    def read_fleet(pipe: Any) -> None:
+        """`fleet`'s read, queued on a pipeline (whose reply `fleet_of` reads): EVAL, not
+        EVALSHA, which a pipeline would precede with a round trip of its own (SCRIPT EXISTS)."""
+        pipe.eval(FLEET, 2, HOSTS, RUNNERS, host_key(""), runner_key(""))
 
     def remember_prefixes(self, model: str, digests: list[str], host: str, ttl_s: float) -> None:
         """`host` ran these prompt prefixes of `model` (exo_tasks.prefix_routing): each entry of
@@ -118,3 +123,11 @@ class HostRecords(RedisPart):
     def next_supervisor_request(self, host: str, timeout_s: float) -> SupervisorRequest | None:
         reply = self.redis.blpop([supervisor_key(host)], timeout=timeout_s)
         return _supervisor_adapter.validate_json(reply[1]) if reply else None
+
+
+def fleet_of(reply: list[list[str]]) -> tuple[list[HostState], list[RunnerState]]:
+    """The hosts and the runners in a reply of FLEET, each by name."""
+    host_raws, runner_raws = reply
+    hosts = [HostState.model_validate_json(raw) for raw in host_raws]
+    runners = [RunnerState.model_validate_json(raw) for raw in runner_raws]
+    return sorted(hosts, key=lambda h: h.name), sorted(runners, key=lambda r: r.id)

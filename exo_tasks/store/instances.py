@@ -5,6 +5,9 @@ generation, so a rank of an older start never overwrites the new one's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from exo_tasks.instances import (
     PENDING,
     InstanceMove,
@@ -121,7 +124,16 @@ class InstanceRecords(RedisPart):
 
     def all(self) -> list[InstanceRecord]:
         """Every instance, by id."""
-        ids = sorted(self.redis.smembers(INSTANCES))
+        return self.of(self.redis.smembers(INSTANCES))
+
+    @staticmethod
+    def read_ids(pipe: Any) -> None:
+        """Every instance's id, read on a pipeline (whose reply `of` takes)."""
+        pipe.smembers(INSTANCES)
+
+    def of(self, instance_ids: Iterable[str]) -> list[InstanceRecord]:
+        """These instances, by id: those that exist (none: no round trip)."""
+        ids = sorted(instance_ids)
         pipe = self.redis.pipeline(transaction=False)
         for instance_id in ids:
             pipe.hget(instance_key(instance_id), "record")

@@ -31,11 +31,12 @@ from exo_tasks.store.keys import (
     transition_keys,
 )
 from exo_tasks.store.metrics import MetricRecords
-from exo_tasks.store.streams import JobStreams
+from exo_tasks.store.streams import JobStreams, last_of
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
     JobEnding,
+    JobEvent,
     JobRecord,
     JobStatus,
     TokenEvent,
@@ -137,6 +138,14 @@ class JobRecords(RedisPart):
         """The job whole (its request, its logprobs), as it ended: from its record, which keeps
         what its ending does not repeat (as its ending has it if the record is gone)."""
         return self.get(done.job.id) or done.job
+
+    def with_last_event(self, job_id: str) -> tuple[JobRecord | None, tuple[str, JobEvent] | None]:
+        """A job and the last event of its stream, in one round trip (a stream's opening)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(job_key(job_id), "record")
+        pipe.xrevrange(events_key(job_id), count=1)
+        raw, entries = pipe.execute()
+        return (JobRecord.model_validate_json(raw) if raw else None), last_of(entries)
 
     def with_runner(
         self, job_id: str, runner_id: str

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from exo_tasks import metrics
 from exo_tasks.store.client import RedisPart
 
@@ -23,5 +25,9 @@ class MetricRecords(RedisPart):
 
     def memory(self) -> tuple[int, int]:
         """Redis's memory in use and its `maxmemory` (0: no limit), in bytes."""
-        info = self.redis.info("memory")
-        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+        return memory_of(self.redis.info("memory"))
+
+
+def memory_of(info: dict[str, Any]) -> tuple[int, int]:
+    """Redis's memory in use and its `maxmemory` (0: no limit), from its `INFO memory`."""
+    return int(info["used_memory"]), int(info.get("maxmemory", 0))

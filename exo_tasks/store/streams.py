@@ -44,11 +44,7 @@ class JobStreams(RedisPart):
 
     def last_event(self, job_id: str) -> tuple[str, JobEvent] | None:
         """The last event of the job's stream, if any."""
-        entries = self.redis.xrevrange(events_key(job_id), count=1)
-        if not entries:
-            return None
-        entry_id, fields = entries[0]
-        return entry_id, _event_adapter.validate_json(fields["data"])
+        return last_of(self.redis.xrevrange(events_key(job_id), count=1))
 
     def read_endings(
         self, job_id: str, after: str, block_ms: int
@@ -86,3 +82,11 @@ class JobStreams(RedisPart):
             elif isinstance(event, TokenEvent):
                 tokens.append(event.text)
         return "".join(tokens), len(tokens)
+
+
+def last_of(entries: list[tuple[str, dict[str, str]]]) -> tuple[str, JobEvent] | None:
+    """The event of an `XREVRANGE ... COUNT 1` reply, if any."""
+    if not entries:
+        return None
+    entry_id, fields = entries[0]
+    return entry_id, _event_adapter.validate_json(fields["data"])
