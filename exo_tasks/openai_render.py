@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from exo_tasks.errors import RunnerGone
+from exo_tasks.errors import ExoError, InvalidRequest, RunnerGone
 from exo_tasks.openai_types import (
     AssistantMessage,
     ChatChoice,
@@ -140,6 +140,10 @@ class TextRenderer:
         return Completion(**_header(job, "cmpl"), choices=[], usage=job.usage)
 
 
-def failure(job: JobEnding) -> RunnerGone:
-    """A failed job: its runner died, stalled or was shut down before it finished."""
-    return RunnerGone(job.error or f"job {job.id} failed", {"job_id": job.id})
+def failure(job: JobEnding) -> ExoError:
+    """A failed job: refused for what it asked (the client's error, as the API's own checks
+    would answer it), else its runner died, stalled or was shut down before it finished."""
+    message = job.error or f"job {job.id} failed"
+    if job.refused:
+        return InvalidRequest(message, {"job_id": job.id})
+    return RunnerGone(message, {"job_id": job.id})

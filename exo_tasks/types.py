@@ -265,6 +265,9 @@ class JobEnding(BaseModel):
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
     error: str | None = None
+    refused: bool = Field(
+        False, description="Failed because its runner refused the job's own input: a client error."
+    )
     attempts: int = 0
     owner: str | None = Field(
         None, description="The worker incarnation that holds the current attempt while running."

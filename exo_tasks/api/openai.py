@@ -21,7 +21,7 @@ from exo_tasks import jobs, limits
 from exo_tasks.api import auth, errors, streams
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
-from exo_tasks.errors import ExoError, NotFound, Unavailable, openai_error_body
+from exo_tasks.errors import ExoError, NotFound, Unavailable, openai_error_body, render
 from exo_tasks.fairness import Client
 from exo_tasks.fleet import is_down
 from exo_tasks.naming import find_model, runner_id_for
@@ -217,8 +217,8 @@ def _ending(
     renderer: Renderer, job: JobRecord, final: JobEnding, include_usage: bool
 ) -> Iterator[str]:
     if final.status == JobStatus.FAILED:
-        gone = failure(final)
-        yield _data(openai_error_body(gone.status, gone.message, code=gone.type))
+        _, body, _ = render(failure(final), openai=True)
+        yield _data(body)
         return
     finish = openai_finish_reason(final.output.finish_reason, final.output.tool_calls)
     yield _data(renderer.chunk(job, None, finish, Sent()))

@@ -57,13 +57,14 @@ class InFlight:
             prompt = intake.prompt_tokens_of(self.loaded, job.request, self.spec.max_prompt_tokens)
             self.loaded.add(job.id, prompt, job.request)
         except ValueError as exc:  # the prompt's refusal, or the engine's own checks
-            self.refuse(command, str(exc))
+            self.refuse(command, str(exc), its_input=True)
             return
         except Exception as exc:
             # Whatever else one job's input can raise (such as MLX refusing its seed) is that
             # job's failure, never the batching loop's.
             log.exception("job could not be admitted", extra={"job_id": job.id})
-            self.refuse(command, f"could not start the job: {type(exc).__name__}: {exc}")
+            error = f"could not start the job: {type(exc).__name__}: {exc}"
+            self.refuse(command, error, its_input=False)
             return
         # Counted here; the stored record shows it once the job ends.
         usage = job.usage.model_copy(update={"prompt_tokens": len(prompt)})
@@ -80,10 +81,10 @@ class InFlight:
         self.store.runners.release_job(self.spec.runner_id, job_id)
         self.store.jobs.requeue(job_id)
 
-    def refuse(self, command: SubmitJob, error: str) -> None:
+    def refuse(self, command: SubmitJob, error: str, *, its_input: bool) -> None:
         """Fail a job that cannot join the batch: written with the next step's writes, and work
         done for the stall watchdog."""
-        self.outbox.endings.append(intake.refusal(command.job, error))
+        self.outbox.endings.append(intake.refusal(command.job, error, its_input=its_input))
         self.record_progress(progressed=True)
 
     def unreadable(self, command: UnreadableCommand) -> None:

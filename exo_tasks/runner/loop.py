@@ -253,7 +253,7 @@ class Runner:
             else:  # not started: back to the queue, never lost
                 jobs.send_back(command.job.id)
         elif isinstance(command, intake.Refused):
-            jobs.refuse(command.command, command.error)
+            jobs.refuse(command.command, command.error, its_input=True)
         elif isinstance(command, CancelJob):
             jobs.end(command.job_id, lifecycle.cancel_status(command.reason), command.reason)
         elif isinstance(command, CheckJob):

@@ -9,6 +9,7 @@ refusals, each refusal counting as the runner being alive."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -196,6 +197,29 @@ def test_the_door_refuses_sampling_past_the_vocabulary_naming_the_field(
     else:  # OpenAI's shape
         assert response.status_code == 400 and error["param"] == field
     assert stack.store.redis.zcard("exo:jobs") == before, "a job was stored"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_the_runner_refuses_for_the_clients_input_is_a_400_on_the_openai_routes(
+    stack: Stack, blind_api: Api, stream: bool
+) -> None:
+    """Past a door that cannot read the tokenizer the runner refuses the job: it fails as
+    refused, and the OpenAI routes answer the client's error, not a 500 runner_gone."""
+    chat = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "messages": chat, "temperature": 1, "top_k": 99, "stream": stream}
+    response = requests.post(f"{blind_api.url}/v1/chat/completions", json=body, timeout=60)
+    if stream:  # the stream had opened: its last chunk before [DONE] is the error
+        assert response.status_code == 200
+        chunks = [line for line in response.text.splitlines() if line.startswith("data: {")]
+        error = json.loads(chunks[-1].removeprefix("data: "))["error"]
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert error["code"] == "invalid_request" and error["message"].startswith("top_k: "), error
+    [newest] = stack.api.get("/v1/jobs?limit=1").json()
+    job = stack.api.get(f"/v1/jobs/{newest['id']}").json()
+    assert job["status"] == "failed" and job["refused"] is True, job
 
 
 def test_a_flood_at_the_door_is_refused_there_beside_a_stream(
