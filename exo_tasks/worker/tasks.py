@@ -216,8 +216,8 @@ def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
             return Skipped(job)
         requeued = store.jobs.requeue(job_id, only_from=job.owner)
         if requeued is not None:
-            extra = {"job_id": job_id, "owner": job.owner, "attempt": requeued.attempts}
-            log.warning("job requeued: redelivered, its worker is gone", extra=extra)
+            gone = {"job_id": job_id, "owner": job.owner, "attempt": requeued.attempts}
+            log.warning("job requeued: redelivered, its worker is gone", extra=gone)
         job = requeued or job
     return Prepared(job, state)
 
