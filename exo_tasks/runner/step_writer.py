@@ -7,11 +7,17 @@ The writes keep their order: the thread takes every step waiting and writes them
 in front of the steps that came after it, and tried again only when the runner asks (`check`,
 `drain`), which raise if it fails again: while Redis is down the runner waits and steps no
 further, as when it wrote its steps itself.
+
+A write that failed may have landed all the same: Redis applied it and then the connection
+dropped before its reply (a master killed, a failover), and its replica has it. Each write
+carries a mark, written with it; a failed one is looked up by its mark before it is sent again,
+so its tokens are never in a job's stream twice.
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,7 +32,10 @@ class StepWrites(Protocol):
         tokens: list[tuple[str, TokenEvent]],
         observations: metrics.Observations,
         endings: list[JobRecord],
+        mark: str,
     ) -> None: ...
+
+    def step_written(self, runner_id: str, mark: str) -> bool: ...
 
 
 @dataclass
@@ -36,6 +45,7 @@ class Step:
     tokens: list[tuple[str, TokenEvent]] = field(default_factory=list)
     observations: metrics.Observations = field(default_factory=metrics.Observations)
     endings: list[JobRecord] = field(default_factory=list)
+    mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def then(self, later: Step) -> Step:
         """This step's writes followed by `later`'s, as one."""
@@ -50,6 +60,7 @@ class StepWriter:
         self.jobs = jobs
         self.runner_id = runner_id
         self._waiting: Step | None = None  # handed over, not yet taken by the thread
+        self._failed: Step | None = None  # written once and failed: it may have landed
         self._writing = False
         self._failure: Exception | None = None  # the last write's, until tried again
         self._changed = threading.Condition()
@@ -78,31 +89,37 @@ class StepWriter:
         with self._changed:
             self._failure = None
             self._changed.notify_all()
-            self._changed.wait_for(
-                lambda: self._failure is not None or (self._waiting is None and not self._writing)
-            )
+            self._changed.wait_for(lambda: self._failure is not None or self._idle())
             failure = self._failure
         if failure is not None:
             raise failure
 
+    def _idle(self) -> bool:
+        return self._waiting is None and self._failed is None and not self._writing
+
     def _run(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._waiting is not None and self._failure is None)
-                step, self._waiting = self._waiting, None
+                self._changed.wait_for(lambda: self._failure is None and not self._idle())
+                # A failed write goes again alone, before the later ones: it alone may have landed.
+                retry, step = self._failed is not None, self._failed or self._waiting
+                if not retry:
+                    self._waiting = None
                 self._writing = True
             assert step is not None
-            failure = self._write(step)
+            failure = self._write(step, retry)
             with self._changed:
                 self._writing = False
-                if failure is not None:
-                    self._waiting = step if self._waiting is None else step.then(self._waiting)
-                    self._failure = failure
+                self._failed = step if failure is not None else None
+                self._failure = failure
                 self._changed.notify_all()
 
-    def _write(self, step: Step) -> Exception | None:
+    def _write(self, step: Step, retry: bool) -> Exception | None:
         try:
-            self.jobs.write_step(self.runner_id, step.tokens, step.observations, step.endings)
+            if retry and self.jobs.step_written(self.runner_id, step.mark):
+                return None  # it landed; only its reply was lost
+            args = (step.tokens, step.observations, step.endings, step.mark)
+            self.jobs.write_step(self.runner_id, *args)
         except Exception as exc:  # noqa: BLE001 (raised on the loop's thread at its next check)
             return exc
         return None

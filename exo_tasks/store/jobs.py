@@ -236,12 +236,15 @@ class JobRecords(RedisPart):
         tokens: list[tuple[str, TokenEvent]],
         observations: metrics.Observations,
         endings: list[JobRecord],
+        mark: str,
     ) -> None:
         """A runner's step in one round trip: its tokens and metrics, then the jobs it ended
         (each written only if still active: first writer wins) and their release. The ended
         jobs' metrics follow, for the endings that were written. One transaction: a reader
-        blocked on a job's stream wakes once, with the step's token and the job's end together."""
+        blocked on a job's stream wakes once, with the step's token and the job's end together.
+        `mark` is written with it: `step_written` tells whether a write that failed landed."""
         pipe = self.redis.pipeline(transaction=True)
+        pipe.set(runner_key(runner_id, "step"), mark, ex=self.job_ttl_s)
         for job_id, token in tokens:
             data = token.model_dump_json(context=STORED)
             pipe.xadd(events_key(job_id), {"event": token.event, "data": data})
@@ -263,6 +266,10 @@ class JobRecords(RedisPart):
             for counts in ended:
                 counts.write(pipe)
             pipe.execute()
+
+    def step_written(self, runner_id: str, mark: str) -> bool:
+        """Whether the runner's step write marked `mark` is in Redis (its last one, then)."""
+        return bool(self.redis.get(runner_key(runner_id, "step")) == mark)
 
     def end(
         self,

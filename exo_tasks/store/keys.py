@@ -17,7 +17,7 @@ INSTANCES = f"{PREFIX}:instances"
 
 
 JobStream = Literal["events", "endings"]
-RunnerPart = Literal["jobs", "inbox", "history"]
+RunnerPart = Literal["jobs", "inbox", "history", "step"]
 
 
 def job_key(job_id: str, stream: JobStream | None = None) -> str:
@@ -55,7 +55,8 @@ def transition_keys(job_id: str) -> list[str]:
 
 def runner_key(runner_id: str, part: RunnerPart | None = None) -> str:
     """The runner's state (JSON), or one of its parts: the `jobs` handed to it and not yet
-    ended (a set), its `inbox` of commands and its status `history` (lists)."""
+    ended (a set), its `inbox` of commands and its status `history` (lists), the mark of its
+    last `step` write."""
     key = f"{PREFIX}:runner:{runner_id}"
     return key if part is None else f"{key}:{part}"
 

@@ -274,6 +274,7 @@ class RunnerWrites:
     def __init__(self) -> None:
         self.published: list[RunnerState] = []
         self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
+        self.step_marks: list[str] = []
         self.down = False
         self.runners = _StatePublisher(self)
         self.jobs = _StepWriter(self)
@@ -302,9 +303,15 @@ class _StepWriter:
         tokens: list[tuple[str, TokenEvent]],
         observations: Any,
         endings: list[JobRecord],
+        mark: str,
     ) -> None:
         self.writes.reach()
         self.writes.steps.append((list(tokens), list(endings)))
+        self.writes.step_marks.append(mark)
+
+    def step_written(self, runner_id: str, mark: str) -> bool:
+        self.writes.reach()
+        return mark in self.writes.step_marks
 
 
 @dataclass

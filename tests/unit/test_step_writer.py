@@ -1,10 +1,12 @@
 """A runner's step writes on a thread of their own (exo_tasks.runner.step_writer): the loop
 hands a step over without waiting for Redis; the steps reach Redis in order, those that waited
 merged into one write; a refused write is kept in front of the later ones and tried again only
-when the loop asks, which raises while Redis still refuses."""
+when the loop asks, which raises while Redis still refuses; a write that failed after it landed
+is not written again."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -20,7 +22,8 @@ WAIT_S = 5.0
 
 
 class SlowRedis:
-    """`write_step` as the store has it, which waits while `gate` is closed; `down`: refused."""
+    """`write_step` as the store has it, which waits while `gate` is closed; `down`: refused;
+    `reply_lost`: the next write is applied, and then its connection drops."""
 
     def __init__(self) -> None:
         self.written: list[tuple[list[int], list[str], float]] = []
@@ -28,9 +31,11 @@ class SlowRedis:
         self.gate.set()
         self.writing = threading.Event()
         self.down = False
+        self.reply_lost = False
+        self.mark = ""
 
     def write_step(self, runner_id: str, *step: Any) -> None:
-        tokens, observations, endings = step
+        tokens, observations, endings, mark = step
         self.writing.set()
         assert self.gate.wait(WAIT_S)
         if self.down:
@@ -38,6 +43,15 @@ class SlowRedis:
         pipe = CountingPipe()
         observations.write(pipe)
         self.written.append(([t.index for _, t in tokens], [j.id for j in endings], pipe.total))
+        self.mark = mark
+        if self.reply_lost:
+            self.reply_lost = False
+            raise redis.ConnectionError("Connection closed by server (fake)")
+
+    def step_written(self, runner_id: str, mark: str) -> bool:
+        if self.down:
+            raise redis.ConnectionError("Connection refused (fake)")
+        return mark == self.mark
 
 
 class CountingPipe:
@@ -97,6 +111,21 @@ def test_a_refused_write_is_kept_before_the_later_ones_and_tried_again_when_aske
         writer.check()
     assert slow.written == []
     slow.down = False
-    writer.check()  # the loop asks again: delivered, in order
+    writer.check()  # the loop asks again: delivered, in order (the refused one alone first)
     writer.drain()
-    assert [indices for indices, _, _ in slow.written] == [[0, 1]]
+    assert [indices for indices, _, _ in slow.written] == [[0], [1]]
+
+
+def test_a_write_that_landed_before_its_connection_dropped_is_not_written_again() -> None:
+    """As when the master is killed between applying a step and replying, and its replica,
+    which had the step, takes over: sent again, its tokens were in the stream twice."""
+    slow = SlowRedis()
+    writer = StepWriter(slow, "tiny@unit")
+    slow.reply_lost = True
+    writer.put(step(0))
+    # The failure raises here, or this drain comes after it and tries again (and finds it).
+    with contextlib.suppress(redis.ConnectionError):
+        writer.drain()
+    writer.put(step(1))
+    writer.drain()
+    assert [indices for indices, _, _ in slow.written] == [[0], [1]]
