@@ -38,7 +38,8 @@ typecheck: setup
 
 # One pytest process by default: on CI's 2 cores, two xdist workers (TEST_WORKERS=2, each taking
 # whole modules with its own Redis and stack) took 22m39s against ~14.5 min serially, and timing
-# bounds failed from the CPU contention; more cores can set TEST_WORKERS.
+# bounds failed from the CPU contention; more cores can set TEST_WORKERS. Where the serial run's
+# time goes (23m34s at 203c98a), module by module: docs/testing.md.
 TEST_WORKERS ?= 0
 
 test: lint typecheck browser

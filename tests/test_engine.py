@@ -277,6 +277,32 @@ def test_a_short_prompt_joins_a_long_ones_prefill_and_ends_it_where_it_ends(
         engine.close()
 
 
+def test_a_long_prompt_paced_beside_a_decoding_job_keeps_both_texts(
+    loaded: tuple[Any, Any],
+) -> None:
+    """While a job decodes, a long prompt's steps are paced in time (prefill_pace): the job
+    gets a token at every step of that prefill and both greedy texts are the ones alone. How
+    long those steps take is `make bench`'s (section stallfree)."""
+    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=32)
+    try:
+        run = Run(engine)
+        # Outlasts the prompt's prefill at its smallest chunks (MIN_CHUNK: 100 steps).
+        run.add("bystander", "bystander", max_tokens=200, ignore_eos=True)
+        while len(run.deltas["bystander"]) < 3:
+            run.step()
+        long_prompt = "".join(f"{i} little pigs; " for i in range(60))  # ~800 tokens
+        run.add("long", long_prompt, max_tokens=8)
+        while not run.deltas["long"]:
+            streamed = len(run.deltas["bystander"])
+            run.step()
+            assert len(run.deltas["bystander"]) == streamed + 1
+        run.until_done()
+        assert run.text("long") == alone(loaded, long_prompt, 8)[0]
+        assert run.text("bystander") == alone(loaded, "bystander", 200)[0]
+    finally:
+        engine.close()
+
+
 def test_lanes_share_the_batch_limit_and_never_outnumber_it(loaded: tuple[Any, Any]) -> None:
     one_at_a_time = BatchEngine(*loaded, completion_batch_size=1, prefill_batch_size=1, lanes=4)
     try:
