@@ -69,9 +69,24 @@ def step(*indices: int, ended: JobRecord | None = None) -> Step:
     return Step(tokens, observations, [ended] if ended else [])
 
 
-def test_a_step_is_handed_over_without_waiting_for_redis() -> None:
-    slow = SlowRedis()
-    writer = StepWriter(slow, "tiny@unit")
+@pytest.fixture
+def slow() -> SlowRedis:
+    return SlowRedis()
+
+
+@pytest.fixture
+def writer(slow: SlowRedis) -> StepWriter:
+    return StepWriter(slow, "tiny@unit")
+
+
+def written(slow: SlowRedis) -> list[list[int]]:
+    """The token indices of each write, in order."""
+    return [indices for indices, _, _ in slow.written]
+
+
+def test_a_step_is_handed_over_without_waiting_for_redis(
+    slow: SlowRedis, writer: StepWriter
+) -> None:
     slow.gate.clear()  # Redis answers only once the gate opens
     writer.put(step(0))
     assert slow.writing.wait(WAIT_S)
@@ -80,12 +95,10 @@ def test_a_step_is_handed_over_without_waiting_for_redis() -> None:
     assert slow.written == []
     slow.gate.set()
     writer.drain()
-    assert [indices for indices, _, _ in slow.written] == [[0], [1]]
+    assert written(slow) == [[0], [1]]
 
 
-def test_steps_that_wait_are_written_as_one_in_order() -> None:
-    slow = SlowRedis()
-    writer = StepWriter(slow, "tiny@unit")
+def test_steps_that_wait_are_written_as_one_in_order(slow: SlowRedis, writer: StepWriter) -> None:
     slow.gate.clear()
     writer.put(step(0))
     assert slow.writing.wait(WAIT_S)
@@ -99,9 +112,9 @@ def test_steps_that_wait_are_written_as_one_in_order() -> None:
     assert slow.written == [([0], [], 1.0), ([1, 2, 3], [job.id], 3.0)]
 
 
-def test_a_refused_write_is_kept_before_the_later_ones_and_tried_again_when_asked() -> None:
-    slow = SlowRedis()
-    writer = StepWriter(slow, "tiny@unit")
+def test_a_refused_write_is_kept_before_the_later_ones_and_tried_again_when_asked(
+    slow: SlowRedis, writer: StepWriter
+) -> None:
     slow.down = True
     writer.put(step(0))
     with pytest.raises(redis.ConnectionError):
@@ -113,14 +126,14 @@ def test_a_refused_write_is_kept_before_the_later_ones_and_tried_again_when_aske
     slow.down = False
     writer.check()  # the loop asks again: delivered, in order (the refused one alone first)
     writer.drain()
-    assert [indices for indices, _, _ in slow.written] == [[0], [1]]
+    assert written(slow) == [[0], [1]]
 
 
-def test_a_write_that_landed_before_its_connection_dropped_is_not_written_again() -> None:
+def test_a_write_that_landed_before_its_connection_dropped_is_not_written_again(
+    slow: SlowRedis, writer: StepWriter
+) -> None:
     """As when the master is killed between applying a step and replying, and its replica,
     which had the step, takes over: sent again, its tokens were in the stream twice."""
-    slow = SlowRedis()
-    writer = StepWriter(slow, "tiny@unit")
     slow.reply_lost = True
     writer.put(step(0))
     # The failure raises here, or this drain comes after it and tries again (and finds it).
@@ -128,4 +141,4 @@ def test_a_write_that_landed_before_its_connection_dropped_is_not_written_again(
         writer.drain()
     writer.put(step(1))
     writer.drain()
-    assert [indices for indices, _, _ in slow.written] == [[0], [1]]
+    assert written(slow) == [[0], [1]]
