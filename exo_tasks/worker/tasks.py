@@ -214,11 +214,7 @@ def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
             extra = {"job_id": job_id, "runner": runner_id}
             log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
             return Skipped(job)
-        requeued = store.jobs.requeue(job_id, only_from=job.owner)
-        if requeued is not None:
-            gone = {"job_id": job_id, "owner": job.owner, "attempt": requeued.attempts}
-            log.warning("job requeued: redelivered, its worker is gone", extra=gone)
-        job = requeued or job
+        job = store.jobs.requeue(job_id, only_from=job.owner) or job
     return Prepared(job, state)
 
 
