@@ -80,12 +80,17 @@ def role(process: psutil.Process, launcher: int, worker_cmdline: list[str]) -> s
     return f"other: {joined[:60]}"
 
 
-def measure(launcher: int) -> dict[str, list[tuple[float, float]]]:
-    """Per role: (PSS, private) in MiB of each process."""
+# Of one process, in MiB: its PSS, what only it maps (private), and its PSS in anonymous
+# memory (the heap: what a fork shares until one side writes to it), the rest being files.
+Figures = tuple[float, float, float]
+
+
+def measure(launcher: int) -> dict[str, list[Figures]]:
+    """Per role: the figures of each process."""
     root = psutil.Process(launcher)
     everyone = [root, *root.children(recursive=True)]
     worker = next(p for p in everyone if "worker" in p.cmdline() and p.ppid() == launcher)
-    roles: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    roles: dict[str, list[Figures]] = defaultdict(list)
     for process in everyone:
         try:
             figures = smaps(process.pid)
@@ -93,25 +98,26 @@ def measure(launcher: int) -> dict[str, list[tuple[float, float]]]:
         except (psutil.Error, OSError):
             continue  # gone meanwhile
         private = figures["Private_Clean"] + figures["Private_Dirty"]
-        roles[name].append((figures["Pss"], private))
+        roles[name].append((figures["Pss"], private, figures["Pss_Anon"]))
     return roles
 
 
-def report(title: str, roles: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+def report(title: str, roles: dict[str, list[Figures]]) -> dict[str, float]:
     print(f"\n{title}")
     totals = {}
-    for name, figures in sorted(roles.items(), key=lambda kv: -sum(p for p, _ in kv[1])):
-        pss = sum(p for p, _ in figures)
+    for name, figures in sorted(roles.items(), key=lambda kv: -sum(f[0] for f in kv[1])):
+        pss = sum(f[0] for f in figures)
         totals[name] = pss
-        each = sorted(p for p, _ in figures)
-        private = sorted(q for _, q in figures)
+        anon = sum(f[2] for f in figures)
+        each = sorted(f[0] for f in figures)
+        private = sorted(f[1] for f in figures)
         spread = (
             f"  {len(figures)} x {each[0]:.1f}-{each[-1]:.1f} (private median "
-            f"{private[len(private) // 2]:.1f})"
+            f"{private[len(private) // 2]:.1f}"
             if len(figures) > 1
-            else f"  (private {private[0]:.1f})"
+            else f"  (private {private[0]:.1f}"
         )
-        print(f"  {name:<18} {pss:7.1f} MiB{spread}")
+        print(f"  {name:<18} {pss:7.1f} MiB{spread}, anonymous {anon:.1f})")
     host = sum(totals.get(name, 0.0) for name in HOST_ROLES)
     stack = sum(v for k, v in totals.items() if k != "runner")
     print(f"  {'worker host':<18} {host:7.1f} MiB  (runner excluded)")

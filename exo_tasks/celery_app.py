@@ -48,6 +48,8 @@ class ExoCelery(Celery):
         self.incarnation = ""
         self.config_from_object(celery_config(settings))
         self.store = self._new_store()
+        # The store the pool's children take as their own (prepare_forks), if made.
+        self._children_store: Store | None = None
 
     def _new_store(self) -> Store:
         # No connection yet: the pool connects on first use.
@@ -63,12 +65,20 @@ class ExoCelery(Celery):
         backend.on_task_call = _no_subscription
         return backend
 
+    def prepare_forks(self) -> None:
+        """Before this process forks the children that each take a store of their own
+        (`renew_store`): one store made here and never used here, for every child to take.
+        Made in each child instead, it cost each child ~1 MiB of its own: its construction ran
+        and wrote to the parent's pages, which a child then copies."""
+        self._children_store = self._new_store()
+
     def renew_store(self) -> None:
-        """A new store, with a Redis pool of its own. A forked pool child needs one: a thread
-        of the parent (heartbeat, recovery, supervisor) may have held the pool's lock at the
-        fork, and the child inherits the lock but not the thread that would release it, so its
-        first Redis call would wait for ever."""
-        self.store = self._new_store()
+        """A store with a Redis pool of its own. A forked pool child needs one: a thread of
+        the parent (heartbeat, recovery, supervisor) may have held the pool's lock at the fork,
+        and the child inherits the lock but not the thread that would release it, so its first
+        Redis call would wait for ever. The store `prepare_forks` made has no such lock held:
+        no thread of the parent ever used it (its pool connects afresh in each child)."""
+        self.store = self._children_store or self._new_store()
 
 
 def _no_subscription(producer: Any, task_id: str) -> None:

@@ -15,13 +15,10 @@ import math
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
-from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models
-
-from exo_tasks import bpe
+if TYPE_CHECKING:  # imported where a model is made: the worker imports this module to check
+    import numpy as np
 
 UNK = "<unk>"
 EOS = "<|endoftext|>"
@@ -105,6 +102,8 @@ def model_config(preset: str, vocab: VocabInfo) -> dict[str, Any]:
 
 def _weights(p: ModelPreset, vocab: VocabInfo) -> dict[str, np.ndarray]:
     """Seeded random weights, named as in a Hugging Face Llama checkpoint."""
+    import numpy as np
+
     rng = np.random.default_rng(SEED)
     h, kv = p.hidden_size, p.num_key_value_heads * (p.hidden_size // p.num_attention_heads)
 
@@ -139,6 +138,8 @@ def _weights(p: ModelPreset, vocab: VocabInfo) -> dict[str, np.ndarray]:
 
 def _write_char_tokenizer(directory: Path) -> VocabInfo:
     """Write a character-level fast tokenizer that `AutoTokenizer` loads offline."""
+    from tokenizers import Tokenizer, decoders, models
+
     tok = Tokenizer(models.BPE(vocab=VOCAB, merges=[], unk_token=UNK))
     # mlx-lm streams with its SPM detokenizer for this decoder: exact concatenation.
     tok.decoder = decoders.Sequence(
@@ -160,6 +161,8 @@ def _write_char_tokenizer(directory: Path) -> VocabInfo:
 
 
 def _write_bpe_tokenizer(directory: Path) -> VocabInfo:
+    from exo_tasks import bpe
+
     tok = bpe.write(directory, MAX_LENGTH)
     ids = tok.get_vocab()
     quiet = [ids[t] for t in bpe.SPECIAL_TOKENS if t != bpe.IM_END]
@@ -168,6 +171,8 @@ def _write_bpe_tokenizer(directory: Path) -> VocabInfo:
 
 def create_model(preset: str, directory: Path) -> Path:
     """Write the `preset` model (config, weights, tokenizer) into `directory`."""
+    from safetensors.numpy import save_file
+
     p = _preset(preset)
     directory.mkdir(parents=True, exist_ok=True)
     write = _write_bpe_tokenizer if p.tokenizer == "bpe" else _write_char_tokenizer
@@ -179,9 +184,14 @@ def create_model(preset: str, directory: Path) -> Path:
     return directory
 
 
+def is_made(preset: str, directory: Path) -> bool:
+    """Whether `directory` holds the `preset` model."""
+    config = directory / "config.json"
+    return config.exists() and json.loads(config.read_text()).get(PRESET_KEY) == preset
+
+
 def ensure_model(preset: str, directory: Path) -> Path:
     """Create the `preset` model in `directory` unless that preset is already there."""
-    config = directory / "config.json"
-    if not config.exists() or json.loads(config.read_text()).get(PRESET_KEY) != preset:
+    if not is_made(preset, directory):
         create_model(preset, directory)
     return directory

@@ -6,9 +6,10 @@ Pure, like exo_tasks.types (which re-exports these).
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -81,8 +82,29 @@ def _stored(info: SerializationInfo) -> bool:
 
 def _float32(logprob: float) -> float:
     """A log probability as the float32 it was computed in, in the fewest digits that give
-    that float32 back (-2.3025851, not -2.302585124969482)."""
-    return float(str(np.float32(logprob)))
+    that float32 back (-2.3025851, not -2.302585124969482): what numpy's `str(np.float32(x))`
+    shows, without numpy, which every process that imports this module (the worker's, the
+    API's, Flower's) held for it alone: ~8 MiB each, and the worker's thread for OpenBLAS."""
+    single = _as_float32(logprob)
+    if not math.isfinite(single) or single == 0:
+        return single
+    for digits in range(1, 10):
+        mantissa, exponent = f"{single:.{digits - 1}e}".split("e")
+        nearest = int(mantissa.replace(".", ""))
+        scale = int(exponent) - digits + 1
+        # The nearest decimal of that many digits, or, beside a power of two (where the
+        # float32s below are closer together than those above), the next one up or down.
+        for candidate in (nearest, nearest - 1, nearest + 1):
+            shown = float(f"{candidate}e{scale}")
+            if _as_float32(shown) == single:
+                return shown
+    return single  # not reached: 9 digits give back any float32
+
+
+def _as_float32(value: float) -> float:
+    """`value` rounded to the nearest float32 (to nearest, ties to even)."""
+    single: float = struct.unpack("f", struct.pack("f", value))[0]
+    return single
 
 
 class TopLogprob(BaseModel):

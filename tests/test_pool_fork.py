@@ -2,7 +2,8 @@
 Redis. Celery forks its pool children after the heartbeat, recovery and supervisor threads
 started; a child that inherited the Redis pool's lock held by one of them waited for ever on
 its first job (seen in the chaos suite: a job received, never started, for six minutes).
-And the batch feeder is forked from the worker too, not a new interpreter."""
+And the batch feeder is forked from the worker too, not a new interpreter, and what the
+worker's main process holds, which all it forks shares, is what a worker needs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 from celery.signals import worker_process_init
@@ -23,6 +25,10 @@ from tests.support.stack import Stack
 FORKS = 300
 THREADS = 4
 CHILD_BOUND_S = 10.0
+# Libraries the worker's main process would map if it imported them: the `celery` command's
+# other commands and plugins (Tornado's for Flower, wcwidth's and curses for the shells), ~11
+# MiB; numpy and the tokenizer's library, the runner's, ~10 MiB.
+NOT_MAPPED = ("speedups.abi3", "_wcwidth_c", "_curses", "_multiarray_umath", "tokenizers.abi3")
 
 
 def _run_child(app: ExoCelery) -> None:
@@ -55,6 +61,7 @@ def test_a_pool_child_forked_while_a_thread_uses_redis_gets_an_answer(
 ) -> None:
     app = create_worker_app(api_settings(redis_server.url, []))
     app.set_current()  # as the worker does before its pool forks
+    app.prepare_forks()  # and this: the store its children take
     busy = threading.Event()
 
     def use_redis() -> None:
@@ -94,3 +101,10 @@ def test_the_batch_feeder_is_forked_from_the_worker(stack: Stack) -> None:
     feeders = [pid for pid, name in names.items() if name == "exo-feeder"]
     assert len(feeders) == 1, names
     assert psutil.Process(feeders[0]).cmdline() == worker.cmdline()
+
+
+def test_the_worker_holds_neither_the_celery_command_nor_the_runners_libraries(
+    stack: Stack,
+) -> None:
+    mapped = {Path(m.path).name for m in psutil.Process(stack.worker.pid).memory_maps()}
+    assert sorted(name for name in mapped if name.startswith(NOT_MAPPED)) == []

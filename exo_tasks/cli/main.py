@@ -64,12 +64,10 @@ def cmd_api(settings: Settings, _: argparse.Namespace) -> None:
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
-    from config.settings import DEFAULT_PRESET
-    from exo_tasks.modelgen import ensure_model
     from exo_tasks.redis_server import wait_for_redis
 
     if not settings.models:
-        ensure_model(DEFAULT_PRESET, settings.default_model_dir)
+        _ensure_default_model(settings.default_model_dir)
     if args.in_stack:
         # Part of a local stack, which stops as one: the drain window must end before Redis
         # stops (and before honcho's SIGKILL).
@@ -78,6 +76,26 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> None:
     from exo_tasks.worker import app as worker_app
 
     worker_app.main(settings, args.concurrency)
+
+
+def _ensure_default_model(directory: Path) -> None:
+    """The default model, made by a process of its own if it is not there: numpy and the
+    tokenizer's library, which making it imports, would stay in the worker's main process and
+    in everything it forks (~10 MiB of a worker host)."""
+    import multiprocessing
+
+    from config.settings import DEFAULT_PRESET
+    from exo_tasks import modelgen
+
+    if modelgen.is_made(DEFAULT_PRESET, directory):
+        return
+    maker = multiprocessing.get_context("spawn").Process(
+        target=modelgen.create_model, args=(DEFAULT_PRESET, directory), name="model maker"
+    )
+    maker.start()
+    maker.join()
+    if maker.exitcode != 0:
+        raise ExoError(f"making the default model in {directory} failed")
 
 
 def cmd_flower(settings: Settings, _: argparse.Namespace) -> None:

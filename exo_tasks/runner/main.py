@@ -15,9 +15,7 @@ from typing import Any, NoReturn
 
 from exo_tasks.logs import configure_logging
 from exo_tasks.process_exit import exit_now
-from exo_tasks.runner.loop import Runner
 from exo_tasks.runner.process import RunnerProgress, RunnerSpec
-from exo_tasks.runner.sigterm import Collectives, watch_sigterm
 from exo_tasks.store import Store
 
 log = logging.getLogger("exo_tasks.runner")
@@ -48,14 +46,20 @@ def main(spec_json: str, progress_array: Any) -> NoReturn:
 
 
 def _run_whole(spec: RunnerSpec, progress: RunnerProgress) -> int:
+    # Imported here: the worker imports this module to spawn the runner, and the loop's
+    # modules (the tokenizer's library among them) are the runner's alone.
+    from exo_tasks.runner.loop import Runner
+
     runner = Runner(spec, progress)
     signal.signal(signal.SIGTERM, lambda *_: runner.on_sigterm())
     return runner.run()
 
 
 def _run_rank(spec: RunnerSpec, progress: RunnerProgress) -> int:
+    from exo_tasks.runner.loop import Runner
     from exo_tasks.runner.rank import EXIT_PEER_LOST, Follower, load_leader
     from exo_tasks.runner.schedule import PeerLost
+    from exo_tasks.runner.sigterm import Collectives, watch_sigterm
 
     assert spec.rank is not None
     store = Store.from_url(spec.redis_url, job_ttl_s=spec.job_ttl_s)

@@ -48,6 +48,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
         # the pages holding what this process made up to its fork shared, not copied.
         forks.freeze_at_fork()
         app: ExoCelery = worker.app
+        app.prepare_forks()
         node = worker.hostname
         settings, store = app.settings, app.store
         # Set before the pool forks: every pool child names it as the owner of the jobs it runs.
@@ -214,12 +215,11 @@ def _shut_down(mode: str) -> dict[str, str]:
 
 
 def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]:
-    """The `celery worker` arguments for this host: its node name and its queues."""
+    """The `celery worker` options for this host: its node name and its queues."""
     queues = [host_queue(settings.hostname)] + [
         model_queue(model_slug(m)) for m in settings.served_models
     ]
     return [
-        "worker",
         f"--hostname={node_name(settings.hostname)}",
         f"--queues={','.join(queues)}",
         f"--concurrency={concurrency or settings.worker_concurrency}",
@@ -233,4 +233,17 @@ def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]
 def main(settings: Settings, concurrency: int | None = None) -> None:
     configure_logging(settings.log_level, host=settings.hostname, process="worker")
     app = create_worker_app(settings)
-    app.worker_main(worker_argv(settings, concurrency))
+    # Celery's `worker` command, as `app.worker_main` runs it, less the `celery` command around
+    # it, whose import brings every other command and plugin (its shells' prompt_toolkit,
+    # Flower and Tornado, ...): ~11 MiB that this process held, and forked into its children.
+    # What that command gives `worker` is its context: the app, and NO_COLOR read as it does.
+    from celery.bin.base import CLIContext
+    from celery.bin.worker import worker as worker_command
+
+    context = CLIContext(app=app, no_color=bool(os.environ.get("NO_COLOR")), workdir=None)
+    worker_command.main(
+        worker_argv(settings, concurrency),
+        prog_name="celery worker",
+        obj=context,
+        standalone_mode=False,
+    )
