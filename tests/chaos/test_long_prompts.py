@@ -44,9 +44,17 @@ def test_a_runner_stopped_in_prefill_is_still_failed_as_stalled(
     pid = runner_state(stack.store, "lp-hung").pid
     assert pid is not None
     job_id = stack.api.submit(prompt=LONG_PROMPT, max_tokens=2, host="lp-hung")
+    # The job is `running` once handed to the runner's inbox; the runner holds it (the stall
+    # watchdog sees a job awaiting its first token) once it publishes Running with it.
     wait_until(
-        lambda: stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "running", 30, "running"
+        lambda: (
+            (state := runner_state(stack.store, "lp-hung")).active_jobs == 1
+            and state.status == "Running"
+        ),
+        30,
+        "the runner to take the job",
     )
+    assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
     os.kill(pid, signal.SIGSTOP)  # in prefill: the prompt takes seconds, it just started
     hung = time.monotonic()
     job = stack.api.wait_job(job_id, timeout_s=PREFILL_TIMEOUT_S + 5)
