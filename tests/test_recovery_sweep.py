@@ -1,11 +1,13 @@
 """The recovery loop's own steps on a real redis-server, without workers: what one sweep puts in
-the runners' inboxes."""
+the runners' inboxes, and the order in which a restarted worker recovers what its previous
+incarnation held."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from exo_tasks.fleet_types import HostState
 from exo_tasks.recovery import HEARTBEAT_TTL_S, Recovery
 from exo_tasks.store import Store
 from exo_tasks.store.keys import runner_key
-from exo_tasks.types import JobRecord, JobRequest, utcnow
+from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
 from tests.support.api import api_settings
 from tests.support.processes import RedisServer
 
@@ -93,10 +95,25 @@ def host(store: Store) -> Iterator[Host]:
     host.remove()
 
 
-def recovery(host: Host, celery: ExoCelery, incarnation: str) -> Recovery:
+class WatchedBroker(Broker):
+    """The real broker, which notes the job's record as each restore of messages begins."""
+
+    def __init__(self, store: Store, celery: ExoCelery, job_id: str) -> None:
+        super().__init__(store.redis, celery.connection_for_write)
+        self.store, self.job_id = store, job_id
+        self.job_at_restore: list[JobRecord | None] = []
+
+    def restore(self, tags: Iterable[str]) -> None:
+        self.job_at_restore.append(self.store.jobs.get(self.job_id))
+        super().restore(tags)
+
+
+def recovery(
+    host: Host, celery: ExoCelery, incarnation: str, watched: Broker | None = None
+) -> Recovery:
     return Recovery(
         host.store,
-        Broker(host.store.redis, celery.connection_for_write),
+        watched or Broker(host.store.redis, celery.connection_for_write),
         lambda job: None,
         host=host.name,
         incarnation=incarnation,
@@ -125,3 +142,35 @@ def test_a_sweep_asks_each_runner_once_about_all_its_running_jobs(
         asked = sorted(command.jobs, key=lambda check: check.job_id)
         expected = [JobCheck(job_id=job.id, owner=owner, attempt=0) for job in jobs]
         assert asked == sorted(expected, key=lambda check: check.job_id)
+
+
+def test_a_restarted_worker_requeues_its_old_jobs_before_it_restores_their_messages(
+    host: Host, celery: ExoCelery
+) -> None:
+    # Restored first, a message taken at once by any worker finds its job running under an
+    # incarnation that is gone: that worker requeues it itself, without the `requeued` log line
+    # of the restart.
+    previous = host.incarnation(1)
+    job = host.running(f"tiny@{host.name}", previous)
+    tag = uuid.uuid4().hex  # its message, delivered to the previous incarnation, as kombu has it
+    message = {
+        "body": "",
+        "headers": {"id": job.id},
+        "properties": {"delivery_tag": tag, "priority": 5, "delivery_info": {}},
+    }
+    host.store.redis.hset(broker.UNACKED, tag, json.dumps([message, "", host.queue]))
+    host.store.redis.zadd(broker.UNACKED_INDEX, {tag: time.time() - 2})
+    watched = WatchedBroker(host.store, celery, job.id)
+
+    recovery(host, celery, host.incarnation(2), watched).recover_own_host(
+        host.state(previous, [tag])
+    )
+
+    # The message went back once, to a job already queued for its next attempt.
+    [at_restore] = watched.job_at_restore
+    assert at_restore is not None
+    assert (at_restore.status, at_restore.attempts) == (JobStatus.QUEUED, 1)
+    events = [event.event for _, event in host.store.streams.read_events(job.id)]
+    assert events.count("requeued") == 1
+    assert job.id in broker.read_messages(host.store.redis, [host.queue]).queued_task_ids
+    assert host.store.redis.hget(broker.UNACKED, tag) is None
