@@ -34,7 +34,7 @@ import redis
 
 from exo_tasks import lifecycle
 from exo_tasks.broker import Broker, Messages
-from exo_tasks.commands import CheckJob
+from exo_tasks.commands import CheckJobs, JobCheck
 from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
 from exo_tasks.naming import host_of_queue, node_name
 from exo_tasks.store import JobWhereabouts, Store, redis_waits
@@ -218,22 +218,24 @@ class Recovery:
         """Ask the runner of every running job whether it still holds it. A Redis master that
         fails over before its replica has the last writes can take a job's ending with it: the
         job is running again on the new master, owned by a live worker, and no runner runs it.
-        Its runner answers (exo_tasks.runner.in_flight) after every command before (the job's
-        hand-over) and after writing its own endings: it requeues the job only then."""
-        asked: list[tuple[str, CheckJob]] = []
+        Each runner is asked about all its jobs in one command; it answers
+        (exo_tasks.runner.in_flight) after every command before (the jobs' hand-overs) and after
+        writing its own endings: it requeues a job it does not hold only then."""
+        asked: dict[str, list[JobCheck]] = {}
         for job in active:
             if job.status != JobStatus.RUNNING or job.attempt is None:
                 continue
             if job.runner_id is None or job.owner is None:
                 continue
-            asked.append(
-                (job.runner_id, CheckJob(job_id=job.id, owner=job.owner, attempt=job.attempt))
-            )
+            check = JobCheck(job_id=job.id, owner=job.owner, attempt=job.attempt)
+            asked.setdefault(job.runner_id, []).append(check)
             if not messages.has_task(job.id):
                 # No task holds its message to give it back once requeued (it saw the ending
                 # before Redis lost it): sent again at the next sweep, not LOST_GRACE_S later.
                 self._missing_since[job.id] = now - LOST_GRACE_S
-        self.store.runners.send_each(asked)
+        self.store.runners.send_each(
+            (runner_id, CheckJobs(jobs=checks)) for runner_id, checks in asked.items()
+        )
 
     def _restore_orphaned_messages(
         self, messages: Messages, held: set[str], queued: set[str], now: float

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import pytest
 
-from exo_tasks.commands import CancelJob, CheckJob, StopRunner, SubmitJob
+from exo_tasks.commands import CancelJob, CheckJobs, JobCheck, StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import intake
 from exo_tasks.runner import loop as runner_module
@@ -285,29 +285,28 @@ class JobsOfTheStore(RunnerWrites):
 
 
 def test_a_check_requeues_only_a_job_its_runner_no_longer_holds(runner: Runner) -> None:
-    """The recovery loop's question (exo_tasks.recovery, a Redis failover that lost endings):
-    answered after the commands before it and after the runner's own endings are written."""
+    """The recovery loop's question (exo_tasks.recovery, a Redis failover that lost endings),
+    one for all the runner's jobs: answered after the commands before it and after the
+    runner's own endings are written."""
     store = JobsOfTheStore()
     runner.store = runner.in_flight.store = cast(Store, store)
     runner.outbox.writer.jobs = store.jobs
-    handed, ended, lost, later = (submit() for _ in range(4))
-    for command in (handed, ended, lost, later):
+    handed, ended, lost, later, also_lost = (submit() for _ in range(5))
+    for command in (handed, ended, lost, later, also_lost):
         command.job.owner = "host:1:1"
         store.records[command.job.id] = command.job
     later.job.attempts = 1  # asked about attempt 0: a later attempt is not the one asked about
     store.records[later.job.id] = later.job
     runner.in_flight.admit(ended)
 
-    def check(command: SubmitJob) -> CheckJob:
-        return CheckJob(job_id=command.job.id, owner="host:1:1", attempt=0)
+    def check(command: SubmitJob) -> JobCheck:
+        return JobCheck(job_id=command.job.id, owner="host:1:1", attempt=0)
 
     for queued in (
         handed,  # its hand-over, then at once the question: it is held by then
-        check(handed),
         CancelJob(job_id=ended.job.id),  # ended in the same round: written before the answer
-        check(ended),
-        check(lost),  # running in the store, held by no runner: its ending was lost
-        check(later),
+        # `lost` and `also_lost`: running in the store, held by no runner (endings lost).
+        CheckJobs(jobs=[check(c) for c in (handed, ended, lost, later, also_lost)]),
     ):
         runner.commands.put(queued)
     runner._take_commands(0.0)
@@ -316,5 +315,6 @@ def test_a_check_requeues_only_a_job_its_runner_no_longer_holds(runner: Runner) 
     assert set(runner.in_flight.jobs) == {handed.job.id}
     assert store.records[ended.job.id].status == JobStatus.CANCELLED
     assert store.records[lost.job.id].status == JobStatus.QUEUED
+    assert store.records[also_lost.job.id].status == JobStatus.QUEUED
     assert store.records[later.job.id].status == JobStatus.RUNNING
-    assert store.released == [lost.job.id]
+    assert store.released == [lost.job.id, also_lost.job.id]

@@ -11,7 +11,7 @@ import logging
 import time
 
 from exo_tasks import metrics
-from exo_tasks.commands import CheckJob, SubmitJob
+from exo_tasks.commands import CheckJobs, JobCheck, SubmitJob
 from exo_tasks.runner import intake
 from exo_tasks.runner.active_job import ActiveJob, take_step
 from exo_tasks.runner.keep_alive import KeepAlive
@@ -158,26 +158,33 @@ class InFlight:
             log.info("job requeued", extra={"job_id": job_id})
         self._after_job_left()
 
-    def check(self, command: CheckJob) -> None:
-        """The recovery loop asks about a job the store shows running here. One we no longer
+    def check(self, command: CheckJobs) -> None:
+        """The recovery loop asks about the jobs the store shows running here. One we no longer
         hold has ended (or was refused, or sent back), its ending written before this answer
         (the outbox drains first), unless Redis lost that write (a master that failed over
         before its replica had it): the job is then still running in the attempt asked about,
         and goes back to the queue, to run again from the start, rather than wait for a time
         limit under a worker that no longer runs it. The inbox is one list, read in order: a
         job handed over before the question came is in `jobs` by now."""
-        job_id, asked = command.job_id, (command.owner, command.attempt)
-        if job_id in self.jobs:
+        missing = [asked for asked in command.jobs if asked.job_id not in self.jobs]
+        if not missing:
             return
         self.outbox.drain()
+        for asked in missing:
+            self._requeue_if_lost(asked)
+
+    def _requeue_if_lost(self, asked: JobCheck) -> None:
+        """A job asked about that we do not hold, its own endings written: back to the queue
+        if it still runs in the attempt asked about."""
+        job_id, attempt = asked.job_id, (asked.owner, asked.attempt)
         job = self.store.jobs.get(job_id)
-        if job is None or job.is_terminal or (job.owner, job.attempts) != asked:
+        if job is None or job.is_terminal or (job.owner, job.attempts) != attempt:
             return  # ended; or a later attempt, whose hand-over may come after the question
         self.store.runners.release_job(self.spec.runner_id, job_id)
         # Requeued, or ended `cancelled` if a cancel was accepted meanwhile.
-        if self.store.jobs.requeue(job_id, only_from=command.owner, only_attempt=command.attempt):
+        if self.store.jobs.requeue(job_id, only_from=asked.owner, only_attempt=asked.attempt):
             why = "job requeued: running in the store, but not on its runner (its ending lost)"
-            log.warning(why, extra={"job_id": job_id, "attempt": command.attempt})
+            log.warning(why, extra={"job_id": job_id, "attempt": asked.attempt})
 
     def drop_expired(self) -> None:
         """End the jobs past their time limits by our own clock (the task's hard limit kills

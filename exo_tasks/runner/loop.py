@@ -21,7 +21,7 @@ from collections.abc import Callable
 import redis
 
 from exo_tasks import lifecycle
-from exo_tasks.commands import CancelJob, CheckJob, StopRunner, SubmitJob
+from exo_tasks.commands import CancelJob, CheckJobs, StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import intake
 from exo_tasks.runner.in_flight import InFlight
@@ -256,7 +256,7 @@ class Runner:
             jobs.refuse(command.command, command.error, its_input=True)
         elif isinstance(command, CancelJob):
             jobs.end(command.job_id, lifecycle.cancel_status(command.reason), command.reason)
-        elif isinstance(command, CheckJob):
+        elif isinstance(command, CheckJobs):
             jobs.check(command)
         elif isinstance(command, UnreadableCommand):
             jobs.unreadable(command)
