@@ -19,7 +19,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exo_tasks.commands import CheckJobs, JobCheck
 from exo_tasks.naming import runner_id_for
 from exo_tasks.store.keys import ACTIVE_JOBS, endings_key, events_key, job_key, runner_key
 from tests.support.processes import Processes, wait_until
@@ -166,40 +165,3 @@ def test_an_ending_lost_before_its_task_saw_it_is_run_again(stack: Stack, worker
     bystanding = stack.store.jobs.get(bystander)
     assert bystanding is not None and bystanding.status == "running"
     assert_ended_once(stack, bystander, attempts=0)
-
-
-def test_a_check_naming_several_jobs_requeues_only_the_one_its_runner_lost(
-    stack: Stack, worker: Worker
-) -> None:
-    # The recovery loop asks a runner about all its running jobs in one command; asked here
-    # at once (the loop's own sweep asks the same within 2 s).
-    idle(stack, worker)
-    bystanders = [stack.api.submit(**BYSTANDER) for _ in range(2)]
-    lost = stack.api.submit(**LOST)
-    snapshot = running(stack, lost)
-    for job_id in bystanders:
-        wait_tokens(stack, job_id)
-    first = stack.api.wait_job(lost, timeout_s=30)
-    assert first["status"] == "succeeded"
-    lose_the_ending(stack, lost, snapshot)
-    asked = []
-    for job_id in (*bystanders, lost):
-        job = stack.store.jobs.get(job_id)
-        assert job is not None and job.owner is not None and job.status == "running"
-        asked.append(JobCheck(job_id=job_id, owner=job.owner, attempt=job.attempts))
-    stack.store.runners.send(runner_id_for("tiny", HOST), CheckJobs(jobs=asked))
-
-    def requeued() -> bool:
-        events = stack.store.streams.read_events(lost)
-        return any(event.event == "requeued" for _, event in events)
-
-    # Not ENDED_AGAIN_S: requeued before a sweep saw it running without a task, its message is
-    # sent again only once seen missing LOST_GRACE_S apart.
-    wait_until(requeued, 5, f"job {lost} requeued", interval_s=0.02)
-    assert_ended_once(stack, lost, attempts=1, text=first["output"]["text"])
-    for job_id in bystanders:  # asked about too, and held: on their runner all along
-        assert stack.api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
-        cancelled = stack.api.wait_job(job_id, timeout_s=30)
-        assert (cancelled["status"], cancelled["attempts"]) == ("cancelled", 0)
-        names = [event.event for _, event in stack.store.streams.read_events(job_id)]
-        assert "requeued" not in names and names.count("done") == 1
