@@ -112,8 +112,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
     final: JobEnding | None = None
     for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
-            # Its ending carries no logprobs: its record has them.
-            final = context.store.jobs.final(item[1]) if job.request.logprobs else item[1].job
+            final = context.store.jobs.final(job, item[1])
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
                 jobs.cancel(
