@@ -35,10 +35,7 @@ def summary(job: JobRecord) -> dict[str, Any]:
 def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
-    context.prompt_door.check(job_request)
-    door = context.reads.door()
-    context.refuse_if_storage_low(door.memory)
-    where = jobs.route(door.fleet, context.settings, job_request, context.store)
+    where = context.admit(job_request)
     job = context.submit(job_request, where=where, client=auth.client(job_request.user))
     return jsonify(summary(job)), 202
 

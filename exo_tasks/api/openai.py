@@ -68,10 +68,7 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
             json_body(), context={"max_tokens_cap": context.settings.max_tokens}
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
-        context.prompt_door.check(job_request)
-        door = context.reads.door()
-        context.refuse_if_storage_low(door.memory)
-        where = jobs.route(door.fleet, context.settings, job_request, context.store)
+        where = context.admit(job_request)
         if body.stream:
             return _open_stream(context, renderer, job_request, where, body.include_usage)
     job = context.submit(job_request, where=where, client=auth.client(job_request.user))
