@@ -293,8 +293,10 @@ class JobRecord(JobEnding):
         error: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
         tool_calls: list[ToolCall] | None = None,
+        refused: bool = False,
     ) -> JobRecord:
-        """This job in a terminal status, with usage and timings filled in."""
+        """This job in a terminal status, with usage and timings filled in; `refused`: failed
+        for its own input (see JobEnding.refused)."""
         now = utcnow()
         prompt_tokens = self.usage.prompt_tokens
         timings = Timings()
@@ -323,6 +325,7 @@ class JobRecord(JobEnding):
                 ),
                 "timings": timings,
                 "error": error,
+                "refused": refused,
             }
         )
 

@@ -71,6 +71,14 @@ class ApiContext:
                 "older jobs expire (EXO_JOB_TTL_S) or raise EXO_REDIS_MAXMEMORY_MB"
             )
 
+    def admit(self, job_request: JobRequest) -> jobs.Route:
+        """Where a new job goes, once past the door: its prompt and sampling checked against
+        its model's tokenizer (422), room in the store (503), then its route (jobs.route)."""
+        self.prompt_door.check(job_request)
+        door = self.reads.door()
+        self.refuse_if_storage_low(door.memory)
+        return jobs.route(door.fleet, self.settings, job_request, self.store)
+
     def submit(
         self,
         job_request: JobRequest,

@@ -16,7 +16,6 @@ from exo_tasks.api.context import ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_event, sse_response
 from exo_tasks.api.models import JobSummary
 from exo_tasks.errors import BadRequest, InvalidRequest, NotFound
-from exo_tasks.store import Store
 from exo_tasks.types import MAX_LIST_LIMIT, DoneEvent, JobEnding, JobRecord, JobStatus, utcnow
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -36,10 +35,7 @@ def summary(job: JobRecord) -> dict[str, Any]:
 def create_job() -> tuple[Response, int]:
     context = ctx()
     job_request = jobs.parse_request(context.settings, json_body())
-    context.prompt_door.check(job_request)
-    door = context.reads.door()
-    context.refuse_if_storage_low(door.memory)
-    where = jobs.route(door.fleet, context.settings, job_request, context.store)
+    where = context.admit(job_request)
     job = context.submit(job_request, where=where, client=auth.client(job_request.user))
     return jsonify(summary(job)), 202
 
@@ -113,7 +109,7 @@ def stream_job(job_id: str) -> Response:
                     continue
                 event_id, event = item
                 data = (
-                    public(_final(context.store, job, event))
+                    public(context.store.jobs.final(job, event))
                     if isinstance(event, DoneEvent)
                     else event.model_dump(exclude={"event"})
                 )
@@ -125,15 +121,6 @@ def stream_job(job_id: str) -> Response:
             yield sse_event("", "error", {"type": "unavailable", "message": message})
 
     return sse_response(events(), on_close=release)
-
-
-def _final(store: Store, job: JobRecord, done: DoneEvent) -> JobEnding:
-    """The job whole as it ended: its ending with its request as read when its stream opened
-    (a job's request never changes), or, for its logprobs, which only its record keeps, its
-    record (Store.jobs.final)."""
-    if job.request.logprobs:
-        return store.jobs.final(done)
-    return JobRecord.model_construct(**dict(done.job), request=job.request)
 
 
 def _resume_after() -> str:

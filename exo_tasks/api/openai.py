@@ -68,10 +68,7 @@ def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
             json_body(), context={"max_tokens_cap": context.settings.max_tokens}
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
-        context.prompt_door.check(job_request)
-        door = context.reads.door()
-        context.refuse_if_storage_low(door.memory)
-        where = jobs.route(door.fleet, context.settings, job_request, context.store)
+        where = context.admit(job_request)
         if body.stream:
             return _open_stream(context, renderer, job_request, where, body.include_usage)
     job = context.submit(job_request, where=where, client=auth.client(job_request.user))
@@ -112,8 +109,7 @@ def _wait(context: ApiContext, job: JobRecord) -> JobEnding:
     final: JobEnding | None = None
     for item in streams.follow(context.hub, context.store, job.id):
         if item is not None and isinstance(item[1], DoneEvent):
-            # Its ending carries no logprobs: its record has them.
-            final = context.store.jobs.final(item[1]) if job.request.logprobs else item[1].job
+            final = context.store.jobs.final(job, item[1])
         elif time.monotonic() > deadline:
             with contextlib.suppress(ExoError):
                 jobs.cancel(

@@ -36,9 +36,10 @@ class PromptDoor:
         # Read as the process starts, once per model (a real model's tokenizer.json takes
         # 0.1-0.5 s): ApiContext builds nothing on a first request.
         self.tokenizers = {model_slug(p): prompt_tokens.load(p) for p in settings.served_models}
-        # As the runner counts it (mlx-lm's tokenizer: the vocabulary with its added tokens).
+        # As the runner counts it (mlx-lm's tokenizer: the vocabulary with its added tokens),
+        # counted without a Python dict of the whole vocabulary.
         self.vocab_sizes = {
-            name: len(tokenizer.get_vocab(with_added_tokens=True))
+            name: tokenizer.get_vocab_size(with_added_tokens=True)
             for name, tokenizer in self.tokenizers.items()
             if tokenizer is not None
         }

@@ -81,10 +81,14 @@ def prompt_tokens_of(engine: Engine, request: JobRequest, cap: int) -> list[int]
 def refusal(job: JobRecord, error: str, *, its_input: bool) -> JobRecord:
     """How a job handed over ends when it cannot join the batch; `its_input`: for what the
     job asked (the client's error, answered as a 4xx), not for what the runner met."""
-    ended = job.ended(
-        JobStatus.FAILED, text="", finish_reason=None, completion_tokens=0, error=error
+    return job.ended(
+        JobStatus.FAILED,
+        text="",
+        finish_reason=None,
+        completion_tokens=0,
+        error=error,
+        refused=its_input,
     )
-    return ended.model_copy(update={"refused": its_input})
 
 
 def read_inbox(

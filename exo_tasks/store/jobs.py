@@ -134,10 +134,14 @@ class JobRecords(RedisPart):
         raw = self.redis.hget(job_key(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
 
-    def final(self, done: DoneEvent) -> JobEnding:
-        """The job whole (its request, its logprobs), as it ended: from its record, which keeps
-        what its ending does not repeat (as its ending has it if the record is gone)."""
-        return self.get(done.job.id) or done.job
+    def final(self, job: JobRecord, done: DoneEvent) -> JobEnding:
+        """`job` (as read before it ended) whole as `done` ended it: its ending with its
+        request (a job's request never changes: its record is not read again), or, if it asked
+        for logprobs, which only its record keeps, its record (as its ending has it if the
+        record is gone)."""
+        if job.request.logprobs:
+            return self.get(done.job.id) or done.job
+        return JobRecord.model_construct(**dict(done.job), request=job.request)
 
     def with_last_event(self, job_id: str) -> tuple[JobRecord | None, tuple[str, JobEvent] | None]:
         """A job and the last event of its stream, in one round trip (a stream's opening)."""
