@@ -8,12 +8,14 @@ Every stop must leave no process behind and lose no job: jobs in flight go back 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +27,7 @@ import requests
 from config.settings import DEFAULT_PRESET
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
+from exo_tasks.redis_server import WORKER_WAIT_S
 from exo_tasks.store import Store
 from exo_tasks.types import model_queue, runner_id_for
 from tests.support.launcher import HOST, JOBS, LONG_JOB, LocalStack
@@ -36,6 +39,10 @@ from tests.support.processes import (
     wait_until,
 )
 from tests.support.workers import start_worker
+
+# A worker frozen this long at its launcher's death ends its stop (~2-3.5 s here) past the 4 s
+# that Redis waits for it under honcho, and within the 8.5 s it waits once orphaned.
+STALL_S = 3.0
 
 
 def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -72,10 +79,24 @@ def stop_and_time(
         time.sleep(0.05)
     elapsed = time.monotonic() - started
     assert not alive, (
-        f"still running after {bound_s}s: {[(p.pid, p.cmdline()) for p in alive]}\n"
+        f"still running after {bound_s}s:\n"
+        + "".join(f"  {_described(p)}\n" for p in alive)
         + stack.log_text()[-3000:]
     )
     return elapsed
+
+
+def _described(proc: psutil.Process) -> str:
+    """Enough to tell which process of the stack it is and what it does: the pool's children
+    share the worker's command line, its parent tells them apart."""
+    try:
+        with proc.oneshot():
+            return (
+                f"pid {proc.pid} ppid {proc.ppid()} {proc.status()} "
+                f"threads {proc.num_threads()} {proc.name()!r}: {shlex.join(proc.cmdline())}"
+            )
+    except psutil.Error as exc:
+        return f"pid {proc.pid}: {exc!r}"
 
 
 def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
@@ -147,6 +168,31 @@ def test_a_hangup_or_a_killed_launcher_stops_everything(
     ids = local_stack.submit_long_jobs()
     elapsed = stop_and_time(local_stack, [how], bound_s=10)
     print(f"{how.name} to the launcher: every process gone in {elapsed:.2f}s")
+    assert_requeued(local_stack, ids)
+
+
+def test_a_killed_launcher_with_a_slow_worker_stops_everything(local_stack: LocalStack) -> None:
+    """A loaded machine (CI) slowed the worker's stop past the 4 s that Redis waits for it under
+    honcho; with the launcher dead, Redis stopped under the worker, whose tasks then waited for
+    Redis to come back: nothing stopped. The worker frozen for a moment stands for that machine."""
+    local_stack.up()
+    ids = local_stack.submit_long_jobs()
+    launcher = local_stack.tree()[0]
+    worker = next(p for p in launcher.children() if "worker" in p.cmdline())
+    stall = threading.Timer(STALL_S, worker.resume)
+
+    def freeze() -> None:
+        worker.suspend()
+        stall.start()
+
+    try:
+        elapsed = stop_and_time(local_stack, [signal.SIGKILL], bound_s=10, before=freeze)
+    finally:
+        stall.cancel()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.resume()
+    print(f"launcher SIGKILLed, worker frozen {STALL_S:g} s: every process gone in {elapsed:.2f}s")
+    assert elapsed > WORKER_WAIT_S  # Redis waited for the worker
     assert_requeued(local_stack, ids)
 
 
