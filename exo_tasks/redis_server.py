@@ -33,7 +33,7 @@ WORKER_WAIT_S = 4.0
 # Once the launcher is dead (kill -9, the OOM killer), no SIGKILL is coming and nothing else
 # orders the stop: a worker slowed by a loaded machine (past 4 s on CI) gets longer, within the
 # stack's 10 s. Redis stopped under a worker mid-stop left it waiting for Redis, for ever.
-ORPHANED_WORKER_WAIT_S = 8.5
+ORPHANED_WORKER_WAIT_S = 7.5
 SERVER_STOP_S = 3.0
 # Files 0600, directories 0700: the AOF holds every prompt and output (0644 with the default).
 PRIVATE_UMASK = 0o077
