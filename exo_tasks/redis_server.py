@@ -3,7 +3,9 @@ memory cap and a password."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -28,6 +30,10 @@ POLL_S = 0.05
 # A worker in a stack stops within EXO_STACK_DRAIN_S (1 s) + 1.5 to 3 s (measured); Redis, stopped
 # then, is gone before honcho's SIGKILL, 5 s after its SIGTERM.
 WORKER_WAIT_S = 4.0
+# Once the launcher is dead (kill -9, the OOM killer), no SIGKILL is coming and nothing else
+# orders the stop: a worker slowed by a loaded machine (past 4 s on CI) gets longer, within the
+# stack's 10 s. Redis stopped under a worker mid-stop left it waiting for Redis, for ever.
+ORPHANED_WORKER_WAIT_S = 7.5
 SERVER_STOP_S = 3.0
 # Files 0600, directories 0700: the AOF holds every prompt and output (0644 with the default).
 PRIVATE_UMASK = 0o077
@@ -143,6 +149,7 @@ def run_embedded(settings: Settings, members: list[tuple[str, list[str]]]) -> in
     from one event (see lifeline.die_with_parent). One redis-server alone: its exit ends the
     command; in an HA stack the others go on without it."""
     signals: list[int] = []
+    parent_pid = os.getppid()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda signum, _: signals.append(signum))
     servers = [
@@ -169,7 +176,7 @@ def run_embedded(settings: Settings, members: list[tuple[str, list[str]]]) -> in
         if len(servers) == 1 and exited:
             return servers[0][1].returncode or 0
         time.sleep(POLL_S)
-    _wait_for_local_worker(settings, signals)
+    _wait_for_local_worker(settings, signals, parent_pid)
     # What this stop did: a member that died before it (in the last poll's gap included) is
     # reported as such, not as this stop's failure.
     note_exits()
@@ -177,19 +184,36 @@ def run_embedded(settings: Settings, members: list[tuple[str, list[str]]]) -> in
     return next((code for code in codes if code), 0)
 
 
-def _wait_for_local_worker(settings: Settings, signals: list[int]) -> None:
+def _wait_for_local_worker(settings: Settings, signals: list[int], parent_pid: int) -> None:
     client = connect(settings.effective_redis_url)
     worker = _local_worker(client, settings.hostname)
     client.close()
     if worker is None:
         return
     log.info("waiting for the worker to stop first", extra={"worker_pid": worker.pid})
-    deadline = time.monotonic() + WORKER_WAIT_S
+    started = time.monotonic()
     while still_running(worker):
-        if signals.count(signal.SIGINT) > 1 or time.monotonic() > deadline:
+        if signals.count(signal.SIGINT) > 1:
             log.warning("stopping Redis before the worker", extra={"worker_pid": worker.pid})
             return
+        # Read at each look: the kernel signals us as it reparents us, maybe first to another
+        # thread of the dying launcher (the same pid), then to init.
+        orphaned = os.getppid() != parent_pid
+        if time.monotonic() - started > (ORPHANED_WORKER_WAIT_S if orphaned else WORKER_WAIT_S):
+            _give_up_on(worker, orphaned)
+            return
         time.sleep(POLL_S)
+
+
+def _give_up_on(worker: psutil.Process, orphaned: bool) -> None:
+    """Under honcho (or a launcher) its SIGKILL is coming. Orphaned, we are the last to stop:
+    SIGKILL the worker as the launcher would have (its pool children, runners and feeder follow
+    it; the recovery loop requeues its jobs at its next start), or it would outlive Redis."""
+    log.warning("stopping Redis before the worker", extra={"worker_pid": worker.pid})
+    if orphaned:
+        log.error("no launcher: SIGKILL to the worker", extra={"worker_pid": worker.pid})
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
 
 
 def _stop(name: str, server: subprocess.Popen[bytes]) -> int:

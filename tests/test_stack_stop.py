@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ import requests
 from config.settings import DEFAULT_PRESET
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
+from exo_tasks.redis_server import ORPHANED_WORKER_WAIT_S, WORKER_WAIT_S
 from exo_tasks.store import Store
 from exo_tasks.types import model_queue, runner_id_for
 from tests.support.launcher import HOST, JOBS, LONG_JOB, LocalStack
@@ -72,10 +74,24 @@ def stop_and_time(
         time.sleep(0.05)
     elapsed = time.monotonic() - started
     assert not alive, (
-        f"still running after {bound_s}s: {[(p.pid, p.cmdline()) for p in alive]}\n"
+        f"still running after {bound_s}s:\n"
+        + "".join(f"  {_described(p)}\n" for p in alive)
         + stack.log_text()[-3000:]
     )
     return elapsed
+
+
+def _described(proc: psutil.Process) -> str:
+    """Enough to tell which process of the stack it is and what it does: the pool's children
+    share the worker's command line, its parent tells them apart."""
+    try:
+        with proc.oneshot():
+            return (
+                f"pid {proc.pid} ppid {proc.ppid()} {proc.status()} "
+                f"threads {proc.num_threads()} {proc.name()!r}: {shlex.join(proc.cmdline())}"
+            )
+    except psutil.Error as exc:
+        return f"pid {proc.pid}: {exc!r}"
 
 
 def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
@@ -148,6 +164,49 @@ def test_a_hangup_or_a_killed_launcher_stops_everything(
     elapsed = stop_and_time(local_stack, [how], bound_s=10)
     print(f"{how.name} to the launcher: every process gone in {elapsed:.2f}s")
     assert_requeued(local_stack, ids)
+
+
+def test_a_killed_launcher_whose_worker_does_not_stop_still_stops_everything(
+    local_stack: LocalStack,
+) -> None:
+    """A loaded machine (CI) slowed the worker's stop past the 4 s that Redis waits for it under
+    honcho; with the launcher dead, Redis stopped under the worker, whose tasks then waited for
+    Redis to come back: nothing stopped. Here the worker is frozen for good at the launcher's
+    death: Redis must outwait the 4 s, then SIGKILL the worker (no launcher is left to) and
+    stop; the worker's jobs stay running, for the recovery loop of its next start."""
+    local_stack.up()
+    ids = local_stack.submit_long_jobs()
+    tree = local_stack.tree()
+    worker = next(p for p in tree[0].children() if "worker" in p.cmdline())
+    redis_server = next(p for p in tree if p.name() == "redis-server")
+    redis_up_later: list[bool] = []
+    look = threading.Timer(
+        WORKER_WAIT_S + 1.5, lambda: redis_up_later.append(redis_server.is_running())
+    )
+
+    def freeze() -> None:
+        worker.suspend()
+        look.start()
+
+    try:
+        elapsed = stop_and_time(local_stack, [signal.SIGKILL], bound_s=10, before=freeze)
+    finally:
+        look.cancel()
+    print(f"launcher SIGKILLed, worker frozen: every process gone in {elapsed:.2f}s")
+    assert redis_up_later == [True], "Redis stopped before the worker, 4 s after the launcher died"
+    assert elapsed > ORPHANED_WORKER_WAIT_S
+    redis = start_redis(
+        local_stack.processes, local_stack.data_dir / "redis", port=local_stack.redis_port
+    )
+    try:
+        store = Store.from_url(redis.url)
+        for job_id in ids:
+            job = store.jobs.get(job_id)
+            assert job is not None and (job.status, job.attempts) == ("running", 0), job
+        assert store.redis.hlen("unacked") == len(ids)  # kombu gives them back at the next start
+    finally:
+        redis.process.terminate()
+        redis.process.wait(timeout=10)
 
 
 def test_closing_the_terminal_stops_everything(local_stack: LocalStack) -> None:
