@@ -8,6 +8,7 @@ Every stop must leave no process behind and lose no job: jobs in flight go back 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -94,12 +95,20 @@ def _described(proc: psutil.Process) -> str:
         return f"pid {proc.pid}: {exc!r}"
 
 
-def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
-    """Read the stopped stack's Redis data (its AOF) with a redis-server of our own: every job
-    is queued again, once, with its message back in the model's queue."""
+@contextlib.contextmanager
+def stopped_store(stack: LocalStack) -> Iterator[Store]:
+    """The stopped stack's Redis data (its AOF), read with a redis-server of our own."""
     redis = start_redis(stack.processes, stack.data_dir / "redis", port=stack.redis_port)
     try:
-        store = Store.from_url(redis.url)
+        yield Store.from_url(redis.url)
+    finally:
+        redis.process.terminate()
+        redis.process.wait(timeout=10)
+
+
+def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
+    """Every job is queued again, once, with its message back in the model's queue."""
+    with stopped_store(stack) as store:
         for job_id in ids:
             job = store.jobs.get(job_id)
             assert job is not None and job.status == "queued" and job.attempts == 1, job
@@ -107,9 +116,6 @@ def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
             assert events.count("requeued") == 1, events
         assert store.jobs.queue_depth(model_queue(DEFAULT_PRESET)) == len(ids)
         assert store.redis.hlen("unacked") == 0
-    finally:
-        redis.process.terminate()
-        redis.process.wait(timeout=10)
 
 
 def test_ctrl_c_requeues_jobs_in_flight_a_restart_runs_them_and_down_stops_it(
@@ -195,18 +201,11 @@ def test_a_killed_launcher_whose_worker_does_not_stop_still_stops_everything(
     print(f"launcher SIGKILLed, worker frozen: every process gone in {elapsed:.2f}s")
     assert redis_up_later == [True], "Redis stopped before the worker, 4 s after the launcher died"
     assert elapsed > ORPHANED_WORKER_WAIT_S
-    redis = start_redis(
-        local_stack.processes, local_stack.data_dir / "redis", port=local_stack.redis_port
-    )
-    try:
-        store = Store.from_url(redis.url)
+    with stopped_store(local_stack) as store:
         for job_id in ids:
             job = store.jobs.get(job_id)
             assert job is not None and (job.status, job.attempts) == ("running", 0), job
         assert store.redis.hlen("unacked") == len(ids)  # kombu gives them back at the next start
-    finally:
-        redis.process.terminate()
-        redis.process.wait(timeout=10)
 
 
 def test_closing_the_terminal_stops_everything(local_stack: LocalStack) -> None:
