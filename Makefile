@@ -36,14 +36,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
-# One pytest process by default: on CI's 2 cores, two xdist workers (TEST_WORKERS=2, each taking
-# whole modules with its own Redis and stack) took 22m39s against ~14.5 min serially, and timing
-# bounds failed from the CPU contention; more cores can set TEST_WORKERS. Where the serial run's
-# time goes (23m34s at 203c98a), module by module: docs/testing.md.
-TEST_WORKERS ?= 0
+# Two pytest processes by default (pytest-xdist), each on a lane of modules chosen by hand in
+# tests/support/lanes.py, which `--dist loadgroup` selects: the session's stack and fleet start
+# once, a module timing stops runs beside one that mostly waits, and any module outside the
+# lanes goes to whichever process is free. TEST_WORKERS=0 runs one process; more than 2 gain
+# nothing (two lanes). Where the time goes, per module and per process: docs/testing.md.
+TEST_WORKERS ?= 2
 
 test: lint typecheck browser
-	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup
 
 # The chaos suite writes its report to var/reports/ on every run; publish the last one.
 reliability-report:

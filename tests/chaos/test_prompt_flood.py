@@ -64,6 +64,8 @@ class Stream:
         assert stack.api.post(f"/v1/jobs/{self.job_id}/cancel").status_code == 202
         job = stack.api.wait_job(self.job_id)
         assert job["status"] == "cancelled", job
+        # The reader, a thread of this process, may not have read the last tokens yet.
+        wait_until(lambda: self.done, 30, "the bystander's stream to end")
         assert "".join(self.texts) == job["output"]["text"]
         assert len(self.texts) == job["usage"]["completion_tokens"]
         gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
