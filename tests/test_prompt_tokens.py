@@ -4,6 +4,9 @@ cap for certain."""
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from exo_tasks import prompt_tokens
+from exo_tasks.api.prompt_door import COUNTING_THREADS, _offloader
 from exo_tasks.types import ChatMessage
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=300)
@@ -109,3 +113,26 @@ def test_under_gevent_a_long_prompt_is_counted_while_the_hub_serves_others(
     # A tick each millisecond or so while the count ran: the hub was free (a blocked hub
     # ticks once at most).
     assert ticks >= max(3, took_ms // 10), (took_ms, ticks)
+
+
+def test_under_a_threaded_server_long_prompts_are_counted_one_at_a_time() -> None:
+    """Counted in each request's own thread, a flood of long prompts counted on every core at
+    once, starving the streams beside it (tests/chaos/test_prompt_flood.py)."""
+    counting = 0
+    most = 0
+    lock = threading.Lock()
+
+    def count() -> None:
+        nonlocal counting, most
+        with lock:
+            counting += 1
+            most = max(most, counting)
+        time.sleep(0.02)
+        with lock:
+            counting -= 1
+
+    offload = _offloader()
+    with ThreadPoolExecutor(8) as requests:
+        for future in [requests.submit(offload, count) for _ in range(16)]:
+            future.result()
+    assert most == COUNTING_THREADS == 1

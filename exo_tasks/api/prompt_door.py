@@ -8,12 +8,15 @@ Counting costs CPU: 100,000 characters take 20-40 ms (2-core x86, the `chat` pre
 Under gunicorn's gevent worker a greenlet that counts holds the whole process, so a long
 prompt is counted on one real thread per process (the tokenizer lets go of the GIL: the hub
 serves every other connection meanwhile) and a flood of them queues there, while a short one,
-a fraction of a millisecond, is counted at once and never waits behind them.
+a fraction of a millisecond, is counted at once and never waits behind them. Under a threaded
+server too: counted in each request's own thread, a flood of 150 took every core of the
+machine, and a stream beside it waited over a second for a token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gevent import monkey
@@ -72,10 +75,11 @@ class PromptDoor:
 
 
 def _offloader() -> Callable[..., Any]:
-    """How a long prompt is counted: on gevent's real thread pool under gunicorn's gevent
-    worker, in the request's own thread otherwise (a threaded server: it is a real thread)."""
+    """How a long prompt is counted: on COUNTING_THREADS real threads of the process, gevent's
+    thread pool under gunicorn's gevent worker, else (a threaded server) a pool of our own."""
     if not monkey.is_module_patched("threading"):
-        return lambda fn, *args: fn(*args)
+        counting = ThreadPoolExecutor(COUNTING_THREADS, thread_name_prefix="prompt-count")
+        return lambda fn, *args: counting.submit(fn, *args).result()
     from gevent.threadpool import ThreadPool
 
     pool = ThreadPool(COUNTING_THREADS)
