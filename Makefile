@@ -36,12 +36,12 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
-# Two pytest processes by default (pytest-xdist), each on a lane of modules chosen by hand in
-# tests/support/lanes.py, which `--dist loadgroup` selects: the session's stack and fleet start
-# once, a module timing stops runs beside one that mostly waits, and any module outside the
-# lanes goes to whichever process is free. TEST_WORKERS=0 runs one process; more than 2 gain
-# nothing (two lanes). Where the time goes, per module and per process: docs/testing.md.
-TEST_WORKERS ?= 2
+# One pytest process by default. TEST_WORKERS=2 runs two (pytest-xdist), each on a lane of
+# modules chosen by hand in tests/support/lanes.py, which `--dist loadgroup` selects: 14m50s
+# against 21-28 min on CI's 2 cores, but a worker's stop then overran the launcher's 3.5 s stage
+# once (test_instance_stack): not the default until the worker stops within it on a busy
+# machine. More than 2 gain nothing (two lanes). Where the time goes: docs/testing.md.
+TEST_WORKERS ?= 0
 
 test: lint typecheck browser
 	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup
