@@ -7,6 +7,7 @@ breaks it with real signals.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -311,6 +312,31 @@ def test_warm_worker_shutdown_finishes_or_requeues_and_a_restart_completes_every
         assert stack.api.wait_job(job_id, timeout_s=60)["status"] == "succeeded"
     events = stack.store.streams.read_events(long_id)
     assert [e.event for _, e in events].count("done") == 1
+
+
+def test_an_idle_workers_pool_is_gone_at_once_on_a_warm_shutdown(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Its runner stopped already: the worker's stop is Celery's and the rest of ours. Each
+    pool child used to sleep 1 s before it exited (billiard's wait for the worker's SIGTERM,
+    which never comes while the worker stops), and Celery's loop saw the signal up to 1 s
+    late: the worker overran the launcher's 3.5 s stage on 2 busy cores."""
+    worker = new_worker(stack, processes, tiny_model, tmp_path, "sd-quick")
+    assert stack.api.post("/v1/runners/tiny@sd-quick/shutdown", json={}).status_code == 202
+    wait_runner(stack.store, "sd-quick", "Shutdown", 10)
+    ended = re.compile(r"Task exo\.shutdown_runner\[\S+\] succeeded")
+    wait_until(lambda: ended.search(worker.log_text()), 10, "the shutdown task's end")
+    celery = stack.api.app.extensions["exo"].celery
+    stats = celery.control.inspect(destination=["exo@sd-quick"], timeout=5).stats()
+    pool = stats["exo@sd-quick"]["pool"]["processes"]
+    started = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: all(has_exited(pid) for pid in pool), 10, "the pool children gone", 0.01)
+    pool_gone = time.monotonic() - started
+    assert worker.process.wait(timeout=10) == 0
+    took = time.monotonic() - started
+    print(f"idle worker: pool gone {pool_gone:.2f}s, worker {took:.2f}s after SIGTERM")
+    assert pool_gone < 0.5, worker.log_text()[-3000:]
 
 
 @pytest.mark.parametrize("how", ["api", "second-ctrl-c"])

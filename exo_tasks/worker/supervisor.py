@@ -232,7 +232,9 @@ class RunnerSupervisor:
         """Stop one runner by the escalation; returns the exit cause. `on_purpose`: an operator
         asked, so this host stops serving the model until it is loaded again."""
         with self._lock:
-            handle = self.handles[runner_id]
+            handle = self.handles.get(runner_id)
+            if handle is None:  # a rank that exited meanwhile: its handle went with it
+                return "not running"
             process = handle.process
             if handle.stall is None:
                 handle.stop = command

@@ -358,3 +358,9 @@ class TestRestart:
         assert handle.restart_at is None and handle.process is None
         assert store.runners.states[RUNNER_ID].status == RS.UNLOADED
         assert store.runners.requeued_jobs == [RUNNER_ID] and store.runners.failed_jobs == []
+
+
+def test_a_stop_of_a_runner_whose_handle_is_gone_is_a_no_op(supervisor: RunnerSupervisor) -> None:
+    """A rank's handle goes when it exits: a stop asked for just before (the worker's own stop,
+    beside its instance's) finds none; it raised KeyError in its thread."""
+    assert supervisor.stop_runner("inst-x.rank0", StopRunner(mode="hard"), 1.0) == "not running"
