@@ -36,14 +36,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
-# One pytest process by default: on CI's 2 cores, two xdist workers (TEST_WORKERS=2, each taking
-# whole modules with its own Redis and stack) took 22m39s against ~14.5 min serially, and timing
-# bounds failed from the CPU contention; more cores can set TEST_WORKERS. Where the serial run's
-# time goes (23m34s at 203c98a), module by module: docs/testing.md.
+# One pytest process by default. TEST_WORKERS=2 runs two (pytest-xdist), each on a lane of
+# modules chosen by hand in tests/support/lanes.py, which `--dist loadgroup` selects: 14m50s
+# against 21-28 min on CI's 2 cores, but a worker's stop then overran the launcher's 3.5 s stage
+# once (test_instance_stack): not the default until the worker stops within it on a busy
+# machine. More than 2 gain nothing (two lanes). Where the time goes: docs/testing.md.
 TEST_WORKERS ?= 0
 
 test: lint typecheck browser
-	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup
 
 # The chaos suite writes its report to var/reports/ on every run; publish the last one.
 reliability-report:

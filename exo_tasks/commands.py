@@ -68,8 +68,17 @@ class StopRunner(BaseModel):
         return stricter, min(deadline, under_way_deadline)
 
 
+class Restate(BaseModel):
+    """From its host's worker, whose heartbeat had lapsed (a stall, a busy machine) and beats
+    again: another host's recovery loop took it for gone and wrote the runner Failed, which it
+    is not. The runner publishes its own state again; nothing else would until a job came,
+    and none comes to a Failed runner."""
+
+    kind: Literal["restate"] = "restate"
+
+
 RunnerCommand = Annotated[
-    SubmitJob | CancelJob | CheckJobs | StopRunner, Field(discriminator="kind")
+    SubmitJob | CancelJob | CheckJobs | StopRunner | Restate, Field(discriminator="kind")
 ]
 
 

@@ -73,10 +73,19 @@ def host_of(incarnation: str) -> str:
 class Presence:
     """This worker's heartbeat: the host, its incarnation and the messages it holds."""
 
-    def __init__(self, store: Store, state: HostState, held: Callable[[], list[str]]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        state: HostState,
+        held: Callable[[], list[str]],
+        on_return: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`on_return`: called after a beat that found the previous one expired (the fleet had
+        taken this host for gone), on the heartbeat's thread."""
         self.store = store
         self.state = state
         self.held = held
+        self.on_return = on_return
         self._closing = threading.Event()
         self._lock = threading.Lock()
 
@@ -94,12 +103,14 @@ class Presence:
             previous if previous is not None and previous.incarnation != self.incarnation else None
         )
 
-    def beat(self, held: list[str] | None = None) -> None:
+    def beat(self, held: list[str] | None = None) -> bool:
+        """Whether the previous beat had not expired (True after stop(): nothing to say)."""
         with self._lock:  # never after stop() removed the host
-            if not self._closing.is_set():
-                held = self.held() if held is None else held
-                state = self.state.model_copy(update={"updated_at": utcnow(), "held": held})
-                self.store.hosts.publish(state, HEARTBEAT_TTL_S)
+            if self._closing.is_set():
+                return True
+            held = self.held() if held is None else held
+            state = self.state.model_copy(update={"updated_at": utcnow(), "held": held})
+            return self.store.hosts.publish(state, HEARTBEAT_TTL_S)
 
     def _run(self) -> None:
         published = self.held()
@@ -109,7 +120,9 @@ class Presence:
             if held == published and time.monotonic() < next_beat:
                 continue
             try:
-                self.beat(held)
+                if not self.beat(held):
+                    log.warning("heartbeat back after it had expired")
+                    self.on_return()
             except redis.RedisError as exc:  # tried again in an interval, not at every poll
                 log.warning("heartbeat not sent", extra={"error": str(exc)})
             published, next_beat = held, time.monotonic() + HEARTBEAT_INTERVAL_S

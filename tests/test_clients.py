@@ -8,13 +8,10 @@ import asyncio
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI, OpenAI
 
 from tests.support.clients import CHAT, HOST_A, client_for, job_of
 from tests.support.processes import Processes
@@ -22,9 +19,10 @@ from tests.support.stack import Stack
 from tests.support.toolmodel import CALL, create_tool_model
 from tests.support.workers import new_worker
 
-# litellm fetches a price list at import unless told to use its bundled copy (no network here).
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-import litellm
+# langchain (~2 s) and litellm (~5 s) are imported by the tests that use them, not when every
+# pytest process collects this module.
+if TYPE_CHECKING:
+    from langchain_openai import ChatOpenAI
 
 TOOLS_HOST = {"host": "host-tools"}
 WEATHER = {
@@ -189,6 +187,8 @@ def test_openai_client_tool_calls_whole_streamed_and_answered(
 
 
 def chat_model(stack: Stack, **fields: Any) -> ChatOpenAI:
+    from langchain_openai import ChatOpenAI
+
     return ChatOpenAI(
         model="tiny",
         base_url=stack.api.url + "/v1",
@@ -200,6 +200,8 @@ def chat_model(stack: Stack, **fields: Any) -> ChatOpenAI:
 
 
 def test_langchain_chat_invoke_stream_and_batch(stack: Stack) -> None:
+    from langchain_core.messages import HumanMessage
+
     llm = chat_model(stack, temperature=0, max_tokens=16)
     invoked = llm.invoke([HumanMessage("hello")])
     assert isinstance(invoked.content, str) and len(invoked.content) > 0
@@ -213,6 +215,8 @@ def test_langchain_chat_invoke_stream_and_batch(stack: Stack) -> None:
 def test_langchain_completions_class_with_its_defaults(stack: Stack) -> None:
     # OpenAI() sends temperature 0.7, top_p 1, frequency_penalty 0, presence_penalty 0, n 1,
     # max_tokens 256 and the prompt as a list: refused before, all accepted now.
+    from langchain_openai import OpenAI
+
     llm = OpenAI(
         model="tiny",
         base_url=stack.api.url + "/v1",
@@ -239,6 +243,10 @@ def test_langchain_completions_class_with_its_defaults(stack: Stack) -> None:
 
 
 def test_langchain_bind_tools_gets_the_models_call(stack: Stack, tools_host: str) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
     @tool
     def get_weather(city: str) -> str:
         """The weather in a city."""
@@ -285,6 +293,10 @@ def litellm_args(stack: Stack, **fields: Any) -> dict[str, Any]:
 
 
 def test_litellm_completion_acompletion_and_stream(stack: Stack, client: openai.OpenAI) -> None:
+    # litellm fetches a price list at import unless told to use its bundled copy (no network).
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
     expected = client.chat.completions.create(**greedy(max_tokens=16)).choices[0].message.content
     done: Any = litellm.completion(**litellm_args(stack))
     assert done.choices[0].message.content == expected

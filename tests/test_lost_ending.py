@@ -20,8 +20,10 @@ import psutil
 import pytest
 
 from exo_tasks.naming import runner_id_for
+from exo_tasks.store import Store
 from exo_tasks.store.keys import ACTIVE_JOBS, endings_key, events_key, job_key, runner_key
-from tests.support.processes import Processes, wait_until
+from tests.support.api import api_settings, serving
+from tests.support.processes import Processes, RedisServer, wait_until
 from tests.support.stack import Stack, idle, wait_tokens
 from tests.support.workers import Worker, new_worker, runner_state
 
@@ -34,14 +36,19 @@ ENDED_AGAIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def worker(
-    stack: Stack,
+def lost_end(
+    redis_server: RedisServer,
+    store: Store,
     module_processes: Processes,
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Worker:
+) -> Iterator[Stack]:
+    """The module's own host and API on the session's Redis (not the session's stack: the
+    module runs in the lane 'own' of tests/support/lanes.py)."""
     data_dir = tmp_path_factory.mktemp("lost-end")
-    return new_worker(module_processes, stack.redis.url, stack.store, HOST, [tiny_model], data_dir)
+    worker = new_worker(module_processes, redis_server.url, store, HOST, [tiny_model], data_dir)
+    with serving(api_settings(redis_server.url, [tiny_model])) as api:
+        yield Stack(redis=redis_server, store=store, worker=worker, api=api)
 
 
 def running(stack: Stack, job_id: str) -> dict[str, str]:
@@ -128,7 +135,8 @@ def tasks_paused(stack: Stack, worker: Worker) -> Iterator[None]:
             os.kill(child.pid, signal.SIGCONT)
 
 
-def test_an_ending_lost_after_its_task_saw_it_is_run_again(stack: Stack, worker: Worker) -> None:
+def test_an_ending_lost_after_its_task_saw_it_is_run_again(lost_end: Stack) -> None:
+    stack, worker = lost_end, lost_end.worker
     # The task read the ending before the master died, and returned: nothing follows the job.
     idle(stack, worker)
     bystander = stack.api.submit(**BYSTANDER)
@@ -144,7 +152,8 @@ def test_an_ending_lost_after_its_task_saw_it_is_run_again(stack: Stack, worker:
     assert_ended_once(stack, bystander, attempts=0)
 
 
-def test_an_ending_lost_before_its_task_saw_it_is_run_again(stack: Stack, worker: Worker) -> None:
+def test_an_ending_lost_before_its_task_saw_it_is_run_again(lost_end: Stack) -> None:
+    stack, worker = lost_end, lost_end.worker
     # The master died before the task read the ending: the task waits on the new master.
     idle(stack, worker)
     bystander = stack.api.submit(**BYSTANDER)

@@ -33,6 +33,9 @@ from tests.support.workers import Worker, runner_state
 MEDIUM = {"prompt": "medium", "max_tokens": 600, "ignore_eos": True}
 # Within this long of a dead worker's heartbeat going stale, its jobs are queued again.
 REQUEUE_BOUND_S = 15.0
+# From a lapsed heartbeat's return to its host's runner Ready again: the next beat (at once),
+# the runner's command, its publish.
+RESTATED_S = 5.0
 
 
 def follow(stack: Stack, job_id: str, events: list[str]) -> threading.Thread:
@@ -104,6 +107,32 @@ def test_a_sigkilled_workers_jobs_are_requeued_from_its_heartbeat_not_the_broker
         assert [e.event for _, e in stack.store.streams.read_events(job_id)].count("done") == 1
     reader.join(timeout=5)
     assert events[-1] == "done" and events.count("requeued") == 1
+
+
+def test_a_runner_written_failed_while_its_hosts_heartbeat_lapsed_is_ready_when_it_beats_again(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    # A worker whose heartbeat stops beyond its TTL (here its main process stopped; a stall or a
+    # busy machine alike) is taken for gone and its runner written Failed, while the runner runs
+    # on. Once the heartbeat is back, so is the runner: before, it stayed Failed until a job
+    # came, and none came (the API refuses a Failed runner's model: 18 failures in one run).
+    host = "rc-lapse"
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    worker.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: runner_state(stack.store, host).status == "Failed",
+            HEARTBEAT_TTL_S + REQUEUE_BOUND_S,
+            "runner Failed",
+        )
+    finally:
+        worker.process.send_signal(signal.SIGCONT)
+    wait_until(
+        lambda: runner_state(stack.store, host).status == "Ready", RESTATED_S, "runner Ready"
+    )
+    assert f"tiny@{host}" in stack.api.get("/readyz").json()["ready_runners"]
+    job = stack.api.wait_job(stack.api.submit(prompt="back", max_tokens=8, host=host))
+    assert job["status"] == "succeeded"
 
 
 def test_a_worker_restarted_at_once_requeues_its_previous_incarnations_jobs_at_once(

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import redis
 
 from exo_tasks import lifecycle
-from exo_tasks.commands import CancelJob, CheckJobs, StopRunner, SubmitJob
+from exo_tasks.commands import CancelJob, CheckJobs, Restate, StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import intake
 from exo_tasks.runner.in_flight import InFlight
@@ -258,6 +258,8 @@ class Runner:
             jobs.end(command.job_id, lifecycle.cancel_status(command.reason), command.reason)
         elif isinstance(command, CheckJobs):
             jobs.check(command)
+        elif isinstance(command, Restate):
+            self.outbox.restate()
         elif isinstance(command, UnreadableCommand):
             jobs.unreadable(command)
         else:

@@ -95,6 +95,14 @@ class Outbox:
         if changed:
             log.info("runner status %s", self.state.status, extra={"runner_status": status})
 
+    def restate(self) -> None:
+        """Publish the runner's state as it is, over what another process wrote of it (a
+        recovery loop that took this host for gone): a change of status in the store."""
+        self.amend(updated_at=utcnow(), **self.occupancy()._asdict())
+        self.drain()
+        self.store.runners.publish(self.state)
+        log.info("runner status %s restated", self.state.status)
+
     def drain(self) -> None:
         """Wait until every token and ending owed so far is in Redis (raises as `flush`)."""
         self._put()

@@ -66,11 +66,13 @@ return 1
 class HostRecords(RedisPart):
     """Live hosts, the recovery lease and supervisor inboxes."""
 
-    def publish(self, state: HostState, ttl_s: float) -> None:
+    def publish(self, state: HostState, ttl_s: float) -> bool:
+        """The host's heartbeat; whether its last one had not expired yet."""
         pipe = self.redis.pipeline(transaction=True)
+        pipe.exists(host_key(state.name))
         pipe.set(host_key(state.name), state.model_dump_json(), px=int(ttl_s * 1000))
         pipe.sadd(HOSTS, state.name)
-        pipe.execute()
+        return bool(pipe.execute()[0])
 
     def remove(self, host: str) -> None:
         pipe = self.redis.pipeline(transaction=True)

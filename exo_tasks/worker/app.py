@@ -25,10 +25,12 @@ from exo_tasks import forks, instance_service, jobs, recovery
 from exo_tasks.batch import process as batch_process
 from exo_tasks.broker import Broker, close_every_channel
 from exo_tasks.celery_app import ExoCelery
+from exo_tasks.commands import Restate
 from exo_tasks.fleet import Fleet
-from exo_tasks.fleet_types import HostState
+from exo_tasks.fleet_types import HostState, RunnerStatus
 from exo_tasks.logs import configure_logging
-from exo_tasks.naming import host_queue, model_queue, model_slug, node_name
+from exo_tasks.naming import host_queue, model_queue, model_slug, node_name, runner_id_for
+from exo_tasks.store import Store
 from exo_tasks.types import utcnow
 from exo_tasks.worker import revocation
 from exo_tasks.worker.ranks import RankKeeper
@@ -80,7 +82,12 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             concurrency=worker.concurrency,
             started_at=utcnow(),
         )
-        self.presence = recovery.Presence(store, host, held=_held_delivery_tags)
+        self.presence = recovery.Presence(
+            store,
+            host,
+            held=_held_delivery_tags,
+            on_return=lambda: _restate_failed_runners(store, settings.hostname, supervisor.models),
+        )
         self.recovery = recovery.Recovery(
             store,
             Broker(store.redis, app.connection_for_write),
@@ -157,6 +164,20 @@ def _held_delivery_tags() -> list[str]:
         except RuntimeError:  # changed while we copied it
             continue
     return []
+
+
+def _restate_failed_runners(store: Store, host: str, models: list[str]) -> None:
+    """This host's runners written Failed while its heartbeat had lapsed (exo_tasks.recovery
+    takes a host without one for gone) publish their own state again: one that is running is
+    not Failed. A runner that did fail leaves the command in its inbox, where a restart of it
+    reads it and publishes what it is then."""
+    ids = [runner_id_for(model, host) for model in models]
+    failed = [i for i in ids if (s := store.runners.get(i)) and s.status is RunnerStatus.FAILED]
+    if failed:
+        store.runners.send_each((runner_id, Restate()) for runner_id in failed)
+        log.warning(
+            "runners written Failed while the heartbeat lapsed restated", extra={"runners": failed}
+        )
 
 
 def create_worker_app(settings: Settings) -> ExoCelery:

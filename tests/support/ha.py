@@ -3,7 +3,6 @@ which process is its master."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,24 +10,7 @@ import psutil
 import redis
 
 from config.settings import Settings
-from tests.support.processes import free_port
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free loopback ports (the HA stack numbers its own)."""
-    while True:
-        first = free_port()
-        if all(_free(first + i) for i in range(1, count)):
-            return first
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+from tests.support.processes import free_ports
 
 
 def ha_settings(data_dir: Path) -> dict[str, Any]:

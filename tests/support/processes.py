@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,11 +27,58 @@ from exo_tasks.redis_server import redis_server_argv, wait_for_redis
 EXO_TASKS = str(Path(sys.executable).parent / "exo-tasks")
 
 
-def free_port() -> int:
+# The ports tests give their servers: below Linux's ephemeral range (32768-60999), which the
+# kernel draws outgoing connections' ports from, so no connection takes one between its pick
+# and its server's bind (nor while a restarted server is down); each pytest-xdist process draws
+# from a slice of its own, in turn, so two never pick the same one; from a random start, so two
+# checkouts' runs seldom meet (and then only on a port free at the pick).
+PORTS = range(10_000, 32_768)
+
+
+@dataclass
+class PortDraw:
+    """This process's slice of PORTS, handed out in turn."""
+
+    ports: range
+    offset: int
+
+    @classmethod
+    def of_this_process(cls) -> PortDraw:
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+        size = len(PORTS) // count
+        ports = range(PORTS.start + index * size, PORTS.start + (index + 1) * size)
+        return cls(ports, random.randrange(size))
+
+    def take(self, count: int) -> int:
+        """The first of `count` consecutive ports, free now and not handed out before."""
+        for _ in range(len(self.ports)):
+            first = self.ports.start + self.offset % (len(self.ports) - count + 1)
+            self.offset = first - self.ports.start + count
+            if all(_bindable(first + i) for i in range(count)):
+                return first
+        raise AssertionError(f"no {count} consecutive free ports in {self.ports}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+PORT_DRAW = PortDraw.of_this_process()
+
+
+def free_port() -> int:
+    return PORT_DRAW.take(1)
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (the HA stack numbers its own from it)."""
+    return PORT_DRAW.take(count)
 
 
 def wait_until(
