@@ -49,10 +49,13 @@ def wait_mid_batch(
     job_id = line_job_id(batch_id, line)
 
     def line_running() -> bool:
+        # Running and recorded in flight: the feeder sends a tick's lines, then records them,
+        # so a line's job can run before the line is in flight.
         job = store.jobs.get(job_id)
-        return job is not None and job.status == "running"
+        in_flight = line in store.batches.inflight(batch_id)
+        return in_flight and job is not None and job.status == "running"
 
-    wait_until(line_running, 60, f"line {line}'s job running")
+    wait_until(line_running, 60, f"line {line}'s job running, the line in flight")
 
 
 def each_line_once(output: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
