@@ -37,9 +37,9 @@ typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
 # One pytest process by default. TEST_WORKERS=2 runs two (pytest-xdist), each on a lane of
-# modules chosen by hand in tests/support/lanes.py, which `--dist loadgroup` selects: about 16
-# min against 21-28 serially on CI's 2 cores, but each run so far has had a timing test fail from
-# the CPU contention (a different one each time): not the default until they hold on a busy
+# modules chosen by hand in tests/support/lanes.py, which `--dist loadgroup` selects: about 17
+# min against 21-28 serially on CI's 2 cores, but each run so far has had 1-4 timing tests fail
+# from the CPU contention (a different set each time): not the default until they hold on a busy
 # machine. More than 2 gain nothing (two lanes). Where the time goes: docs/testing.md.
 TEST_WORKERS ?= 0
 
