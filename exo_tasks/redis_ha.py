@@ -5,6 +5,7 @@ master through the Sentinels (Settings.sentinels). docs/ha.md runs the same acro
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -65,8 +66,20 @@ def current_master(settings: Settings) -> int:
     return max(named)[1] if named else settings.redis_port
 
 
+def sentinel_id(settings: Settings, port: int) -> str:
+    """A Sentinel's run id, fixed by its stack's data directory and port, so that each one's
+    file can name the others before any of them runs."""
+    return hashlib.sha1(f"{settings.data_dir.resolve()}:{port}".encode()).hexdigest()
+
+
 def sentinel_conf(settings: Settings, port: int, master_port: int) -> Path:
-    """A Sentinel's config file, written afresh at each start (the Sentinel rewrites it)."""
+    """A Sentinel's config file, written afresh at each start (the Sentinel rewrites it).
+
+    It names the replica and the other Sentinels: a Sentinel otherwise learns the replica from
+    the master's INFO (the first one may come before the replica attached, the next 10 s later)
+    and the other Sentinels from their hellos through the servers (every 2 s). A master lost in
+    that window was never failed over: with no replica known and no other Sentinel to agree
+    it is down, none could act (CI, on a loaded machine)."""
     password = redis_password(settings.data_dir / "redis")
     name = settings.redis_master_name
     path = sentinel_conf_path(settings, port)
@@ -76,11 +89,22 @@ def sentinel_conf(settings: Settings, port: int, master_port: int) -> Path:
         "bind 127.0.0.1",
         f"dir {path.parent.resolve()}",
         f"requirepass {password}",
+        f"sentinel myid {sentinel_id(settings, port)}",
         f"sentinel sentinel-pass {password}",
         f"sentinel monitor {name} 127.0.0.1 {master_port} {QUORUM}",
         f"sentinel auth-pass {name} {password}",
         f"sentinel down-after-milliseconds {name} {DOWN_AFTER_MS}",
         f"sentinel failover-timeout {name} {FAILOVER_TIMEOUT_MS}",
+    ]
+    lines += [
+        f"sentinel known-replica {name} 127.0.0.1 {replica}"
+        for replica in server_ports(settings)
+        if replica != master_port
+    ]
+    lines += [
+        f"sentinel known-sentinel {name} 127.0.0.1 {other} {sentinel_id(settings, other)}"
+        for other in settings.ha_sentinel_ports
+        if other != port
     ]
     write_private(path, "\n".join(lines) + "\n")
     return path

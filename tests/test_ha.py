@@ -88,6 +88,16 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
     proc = processes.start([EXO_TASKS, "redis"], exo_env(**values), tmp_path / "redis.log")
     url = settings.effective_redis_url
     wait_for_redis(url, timeout_s=10)
+    # Each Sentinel knows the replica and the other two from its start, not 2-10 s later: a
+    # master lost before they had met was never failed over (CI on a loaded machine).
+    name = settings.redis_master_name
+    for port in settings.ha_sentinel_ports:
+        sentinel = sentinel_client(settings, port)
+        wait_until(lambda s=sentinel: _answers(s), 10, f"the Sentinel on {port}")
+        others = {int(other["port"]) for other in sentinel.sentinel_sentinels(name)}
+        assert others == set(settings.ha_sentinel_ports) - {port}
+        replicas = [int(replica["port"]) for replica in sentinel.sentinel_slaves(name)]
+        assert replicas == [settings.redis_port + 1]
     first_sentinel = server_process(proc.pid, settings.ha_sentinel_ports[0], sentinel=True)
     first_sentinel.send_signal(signal.SIGKILL)  # the one every client asks first
     client = connect(url)
@@ -124,6 +134,13 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
     assert server_process(again.pid, settings.redis_port).is_running()
     password = redis_password(settings.data_dir / "redis")
     wait_until(lambda: _role(settings.redis_port, password) == "slave", 10, "the other a replica")
+
+
+def _answers(client: Any) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
 
 
 def _measure_replication(master: Any, replica: Any, replica_process: psutil.Process) -> None:
