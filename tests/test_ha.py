@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
     name = settings.redis_master_name
     for port in settings.ha_sentinel_ports:
         sentinel = sentinel_client(settings, port)
-        wait_until(lambda s=sentinel: _answers(s), 10, f"the Sentinel on {port}")
+        wait_until(partial(_answers, sentinel), 10, f"the Sentinel on {port}")
         others = {int(other["port"]) for other in sentinel.sentinel_sentinels(name)}
         assert others == set(settings.ha_sentinel_ports) - {port}
         replicas = [int(replica["port"]) for replica in sentinel.sentinel_slaves(name)]
