@@ -27,6 +27,7 @@ import requests
 from config.settings import DEFAULT_PRESET
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
+from exo_tasks.modelgen import MAX_LENGTH
 from exo_tasks.redis_server import ORPHANED_WORKER_WAIT_S, WORKER_WAIT_S
 from exo_tasks.store import Store
 from exo_tasks.types import model_queue, runner_id_for
@@ -179,9 +180,11 @@ def test_a_killed_launcher_whose_worker_does_not_stop_still_stops_everything(
     honcho; with the launcher dead, Redis stopped under the worker, whose tasks then waited for
     Redis to come back: nothing stopped. Here the worker is frozen for good at the launcher's
     death: Redis must outwait the 4 s, then SIGKILL the worker (no launcher is left to) and
-    stop; the worker's jobs stay running, for the recovery loop of its next start."""
+    stop; the worker's jobs stay running, for the recovery loop of its next start. Its runner
+    is not frozen and decodes until Redis stops, 7.5 s on: LONG_JOB's 1,500 tokens were done by
+    then on a quiet machine (succeeded, rightly), so these jobs are as long as the model allows."""
     local_stack.up()
-    ids = local_stack.submit_long_jobs()
+    ids = local_stack.submit_long_jobs(max_tokens=MAX_LENGTH - 64)
     tree = local_stack.tree()
     worker = next(p for p in tree[0].children() if "worker" in p.cmdline())
     redis_server = next(p for p in tree if p.name() == "redis-server")
@@ -205,6 +208,7 @@ def test_a_killed_launcher_whose_worker_does_not_stop_still_stops_everything(
         for job_id in ids:
             job = store.jobs.get(job_id)
             assert job is not None and (job.status, job.attempts) == ("running", 0), job
+            print(f"job {job_id}: {store.streams.streamed_text(job_id)[1]} tokens streamed")
         assert store.redis.hlen("unacked") == len(ids)  # kombu gives them back at the next start
 
 

@@ -24,7 +24,8 @@ from tests.support.processes import (
 from tests.support.terminal import Terminal
 
 HOST = "stack-host"
-LONG_JOB = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
+LONG_TOKENS = 1500
+LONG_JOB = {"prompt": "long", "max_tokens": LONG_TOKENS, "ignore_eos": True}
 JOBS = 4
 
 
@@ -85,10 +86,11 @@ class LocalStack:
     def store(self) -> Store:
         return Store.from_url(embedded_redis_url(self.data_dir / "redis", self.redis_port))
 
-    def submit_long_jobs(self) -> list[str]:
+    def submit_long_jobs(self, max_tokens: int = LONG_TOKENS) -> list[str]:
         """JOBS long jobs, returned once every one streams tokens."""
+        job = {**LONG_JOB, "max_tokens": max_tokens}
         ids = [
-            requests.post(f"{self.api}/v1/jobs", json=LONG_JOB, timeout=10).json()["id"]
+            requests.post(f"{self.api}/v1/jobs", json=job, timeout=10).json()["id"]
             for _ in range(JOBS)
         ]
         store = self.store()
