@@ -15,7 +15,7 @@ from pathlib import Path
 import requests
 
 from config.settings import Settings
-from exo_tasks.instances import InstanceStatus
+from exo_tasks.instances import FAILED, READY, SHUTTING_DOWN
 from exo_tasks.launcher import stop_stages
 from exo_tasks.naming import instance_queue, instance_runner_id
 from exo_tasks.store import Store
@@ -66,7 +66,7 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
     def ready() -> bool:
         assert worker_b.process.poll() is None, worker_b.log_text()[-3000:]
         found = store.instances.all()
-        return bool(found) and found[0].status is InstanceStatus.READY
+        return bool(found) and found[0].status is READY
 
     wait_until(ready, START_TIMEOUT_S, "the instance Ready", 0.2)
     (instance,) = store.instances.all()
@@ -102,16 +102,24 @@ def test_down_stops_the_instances_ranks_with_the_stack_in_its_order(
     assert worker_b.process.poll() is None, "host b's worker is no part of the stack"
 
     # What the stack left in its Redis (its AOF), read with a redis-server of our own: the
-    # instance shut down while Redis was still up, naming the host that left, and the job went
-    # back to the instance's queue.
+    # instance shutting down, naming the host that left, and the job back on the instance's
+    # queue. The move's end (every rank Shutdown, then Failed) is host b's to write once its
+    # rank has exited, which may come after the stack's Redis stopped (host b is no part of
+    # the stack, which does not wait for it): then host b writes it once Redis is back.
     redis = start_redis(processes, data_dir / "redis", port=stack.redis_port)
     after = Store.from_url(redis.url)
-    record = after.instances.get(instance.id)
-    assert record is not None and record.status is InstanceStatus.FAILED, record
-    assert record.error == f"rank 0 on host {HOSTS[0]}: its worker stopped", record.error
     job = after.jobs.get(job_id)
     assert job is not None and job.status == "queued" and job.attempts == 1, job
     assert after.jobs.queue_depth(instance_queue(instance.id)) == 1
+    left = after.instances.get(instance.id)
+    assert left is not None and left.status in (SHUTTING_DOWN, FAILED), left
+    print(f"the instance {left.status} as the stack's Redis stopped")
+    record = wait_until(
+        lambda: (found := after.instances.get(instance.id)) and found.status is FAILED and found,
+        10,
+        "the instance Failed",
+    )
+    assert record.error == f"rank 0 on host {HOSTS[0]}: its worker stopped", record.error
 
     # Within the stack's own bound, each stage in time (no SIGKILL from the launcher), and
     # every rank exited on its own (exit 0: Shutdown).
