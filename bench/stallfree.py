@@ -56,7 +56,18 @@ def _start(lab: Lab, config: Config, contender: str) -> tuple[Callable[[], Clien
         return lambda: MlxServerClient(server.url), server.processes
     # Without jobs decoding, a step prefills 256 tokens: on a loaded machine one such step of a
     # 7,000-token prompt's end can near the 60 s stall limit, which guards against hangs only.
-    stack = start_exo(lab, "exo-stall", config.bench_model, prefill_timeout_s=600.0)
+    # The prompts alone share one lane, one after another: ~215 s each on a quiet 2-core
+    # machine, so the last one's first token comes after the default job limit (600 s).
+    stack = start_exo(
+        lab,
+        "exo-stall",
+        config.bench_model,
+        prefill_timeout_s=600.0,
+        job_soft_time_limit_s=3000.0,  # below the broker's visibility timeout (1 h)
+        # The streams outlast the prompts' prefill beside them: ~8,500 tokens each when the
+        # four prompts alone took 15 min (EXO_MAX_TOKENS is 4,096 by default).
+        max_tokens=32_768,
+    )
     return lambda: ExoClient(stack.url, ignore_eos=True), stack.processes
 
 
@@ -64,6 +75,7 @@ def _measure(
     client: Callable[[], Client], prompts: dict[str, list[str]], contender: str, results: Results
 ) -> None:
     alone = _together(client, [(p, 1) for p in prompts["Alone"]])
+    _refuse_failed(alone, contender)
     ttft_alone = [t.ttft_s or 0.0 for t in alone]
     probes = _together(
         client, [(f"Stream {i}: tell a story", PROBE_TOKENS) for i in range(STREAMS)]
@@ -81,6 +93,7 @@ def _measure(
     for thread in threads:
         thread.start()
     while min(len(t.token_times) for t in streams) < 3:
+        _refuse_failed(streams, contender)
         time.sleep(0.05)
     sent = time.monotonic()
     beside = _together(client, [(p, 1) for p in prompts["Beside"]])
@@ -109,9 +122,22 @@ def _measure(
         "s",
         percentile(ttft_beside, 50),
     )
+    log.info(
+        "stall-free %s: p99 gaps %s ms without, %s ms with; TTFT beside %s s",
+        contender,
+        [round(percentile(_gaps(t, 0.0, 1e18), 99) * 1000) for t in probes],
+        [round(percentile(_gaps(t, sent, until), 99) * 1000) for t in streams],
+        ttft_beside,
+    )
     failed = [t.error for t in (*alone, *probes, *streams, *beside) if t.error]
     if failed:
         log.error("stall-free %s: %d requests failed: %s", contender, len(failed), failed[0])
+
+
+def _refuse_failed(traces: list[Trace], contender: str) -> None:
+    """The section's figures need every request: a failed one ends it, saying why."""
+    if failed := [t.error for t in traces if t.error]:
+        raise RuntimeError(f"stall-free {contender}: {len(failed)} requests failed: {failed[0]}")
 
 
 def _together(client: Callable[[], Client], requests: list[tuple[str, int]]) -> list[Trace]:
@@ -120,8 +146,13 @@ def _together(client: Callable[[], Client], requests: list[tuple[str, int]]) -> 
         client().run(trace, *request)
         return trace
 
-    with ThreadPoolExecutor(len(requests)) as pool:
+    pool = ThreadPoolExecutor(len(requests))
+    try:
         return list(pool.map(one, requests))
+    finally:
+        # Not waiting on a Ctrl-C or SIGTERM: a long prompt's request runs for minutes; the
+        # bench's stop of the stack ends it.
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _gaps(trace: Trace, start: float, end: float) -> list[float]:
