@@ -3,6 +3,7 @@ expiring by the runner's own clock, and a burst of jobs gathered before the next
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any, cast
@@ -15,9 +16,10 @@ from exo_tasks.runner import intake
 from exo_tasks.runner import loop as runner_module
 from exo_tasks.runner.lane import EngineFinish, TokenDelta
 from exo_tasks.runner.loop import Runner
-from exo_tasks.runner.process import RunnerProgress, RunnerSpec
+from exo_tasks.runner.process import EXIT_TERMINATED, RunnerProgress, RunnerSpec
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, SamplingParams
+from tests.support.processes import wait_until
 from tests.unit.fakes import RunnerWrites
 
 
@@ -200,6 +202,32 @@ def test_a_refusal_is_progress_for_the_stall_watchdog(runner: Runner) -> None:
     runner._handle(intake.Refused(submit(), "prompt: is at least 9000 tokens"))
     assert runner.progress.stall(60.0, 5.0) is None
     assert runner.outbox.endings[-1].error == "prompt: is at least 9000 tokens"
+
+
+def test_waiting_for_redis_is_progress_for_the_stall_watchdog(runner: Runner) -> None:
+    """An outage longer than the decode timeout: the runner waits for Redis, and the
+    supervisor must not take that for a hang (it would fail jobs that outlast the outage)."""
+    runner.in_flight.admit(submit())
+    store_of(runner).down = True
+    runner.progress.array[0] = 0.0  # silent since the clock's start
+    exits: list[object] = []
+
+    def serve() -> None:
+        try:
+            runner.serve()
+        except SystemExit as stop:
+            exits.append(stop.code)
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+    try:
+        wait_until(lambda: runner.progress.stall(60.0, 0.2) is None, 5, "a waiting runner's beat")
+        time.sleep(3 * runner_module.REDIS_RETRY_S)
+        assert runner.progress.stall(60.0, 2 * runner_module.REDIS_RETRY_S) is None
+    finally:
+        runner.terminate_requested = True  # with Redis down: it exits at its next wait
+        serving.join(5)
+    assert exits == [EXIT_TERMINATED]
 
 
 def test_a_lone_job_is_not_held_back(runner: Runner) -> None:

@@ -178,6 +178,9 @@ class Runner:
                     log.error("redis unreachable after SIGTERM; exiting without flushing")
                     raise SystemExit(EXIT_TERMINATED) from exc
                 log.warning("redis unreachable or full; runner waits", extra={"error": str(exc)})
+                # Waiting for Redis is not a hang: the supervisor's watchdog must not stop a
+                # runner, and fail its jobs, for an outage that the jobs can outlast.
+                self.in_flight.record_progress(progressed=True)
                 time.sleep(REDIS_RETRY_S)
 
     def _serve_once(self) -> bool:

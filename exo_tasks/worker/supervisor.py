@@ -19,6 +19,8 @@ import threading
 import time
 from multiprocessing.process import BaseProcess
 
+import redis
+
 from config.settings import Settings
 from exo_tasks import lifecycle, metrics
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest, SupervisorRequest
@@ -142,8 +144,18 @@ class RunnerSupervisor:
                 log.error("runner is hung; stopping it", extra={"runner": runner_id, "why": stall})
                 handle.stall = stall
                 if handle.spec.rank is None:  # a rank's jobs fail with its instance's cause
-                    self.store.runners.fail_jobs(runner_id, f"runner {runner_id} failed: {stall}")
+                    self._fail_jobs_of_hung(runner_id, stall)
                 in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
+
+    def _fail_jobs_of_hung(self, runner_id: str, stall: str) -> None:
+        """Fail a hung runner's jobs before its stop, so they carry the stall as their cause.
+        Redis down must not spare it the stop: its exit fails them once Redis is back."""
+        try:
+            self.store.runners.fail_jobs(runner_id, f"runner {runner_id} failed: {stall}")
+        except redis.RedisError as exc:
+            log.warning(
+                "hung runner's jobs not failed yet", extra={"runner": runner_id, "error": str(exc)}
+            )
 
     def _on_exit(self, handle: RunnerHandle) -> None:
         with self._lock:

@@ -129,7 +129,7 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     prepared: Prepared | Skipped | None = None
     attempt: Attempt | None = None
     try:
-        prepared = _prepare(store, job_id, runner_id)
+        prepared = _prepare(store, job_id, runner_id, app.incarnation)
         if isinstance(prepared, Skipped):
             return task_states.finish(self, job_id, prepared.job)
         attempt = _hand_over(self, prepared, runner_id)
@@ -196,9 +196,12 @@ def _remember_prefixes(task: Task[Any, Any], job: JobRecord, final: JobEnding) -
         log.warning("prefixes not recorded", extra={"job_id": job.id, "error": str(exc)})
 
 
-def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
+def _prepare(store: Store, job_id: str, runner_id: str, incarnation: str) -> Prepared | Skipped:
     """Read the job and its runner; decide from the job's status whether this delivery runs
-    it. A running job whose worker is gone is requeued first (this delivery then runs it)."""
+    it. A running job whose worker is gone is requeued first (this delivery then runs it).
+    `incarnation`: this worker's; a job it holds itself is alive, whatever its heartbeat says
+    (kombu restores the messages it held when its connection to Redis comes back, before the
+    worker's next beat: after an outage longer than the heartbeat's TTL, that beat is gone)."""
     try:
         job, state = store.jobs.with_runner(job_id, runner_id)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -210,7 +213,7 @@ def _prepare(store: Store, job_id: str, runner_id: str) -> Prepared | Skipped:
     if delivery is lifecycle.Delivery.ENDED:
         return Skipped(job)
     if delivery is lifecycle.Delivery.REDELIVERED:
-        if store.hosts.owner_is_live(job):
+        if job.owner == incarnation or store.hosts.owner_is_live(job):
             extra = {"job_id": job_id, "runner": runner_id}
             log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
             return Skipped(job)

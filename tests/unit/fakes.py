@@ -216,6 +216,7 @@ class FakeRunners:
         self.on_send(runner_id, command)
 
     def fail_jobs(self, runner_id: str, error: str) -> list[str]:
+        self.link.reach()
         self.failed_jobs.append((runner_id, error))
         return []
 

@@ -252,6 +252,24 @@ class TestEscalation:
         [(signum, at)] = host.stopped_at
         assert signum == SIGTERM and at == asked_at
 
+    def test_a_hung_runner_is_stopped_though_redis_refuses_to_fail_its_jobs(
+        self,
+        supervisor: RunnerSupervisor,
+        host: Host,
+        store: FakeStore,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        monkeypatch.setattr(supervisor_module, "in_thread", lambda target, *args: target(*args))
+        running(host).obeys = False
+        handle = supervisor.handles[RUNNER_ID]
+        silent_since = time.monotonic() - supervisor.settings.decode_timeout_s - 1
+        handle.progress = RunnerProgress([silent_since, 1, 0])  # one job, decoding
+        store.link.unreachable = 1
+        supervisor._check_stalls()
+        assert [signum for signum, _ in host.stopped_at] == [SIGTERM]
+        [(runner_id, error)] = store.runners.failed_jobs  # by its exit, Redis being back
+        assert runner_id == RUNNER_ID and error.startswith(f"runner {RUNNER_ID} failed: stalled")
+
 
 class TestRestart:
     def crash(

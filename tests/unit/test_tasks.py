@@ -68,29 +68,40 @@ def ends_jobs_it_is_told_to_cancel(store: FakeStore) -> None:
 
 class TestPrepare:
     def test_an_unknown_or_expired_job_is_skipped(self, store: FakeStore) -> None:
-        assert tasks._prepare(store.as_store, "nope", RUNNER_ID) == tasks.Skipped(None)
+        assert tasks._prepare(store.as_store, "nope", RUNNER_ID, INCARNATION) == tasks.Skipped(None)
 
     def test_an_ended_job_is_skipped_with_its_record(self, store: FakeStore) -> None:
         job = store.jobs.add(new_job(status=RS.CANCELLED))
-        assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Skipped(job)
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION) == tasks.Skipped(job)
 
     def test_a_job_running_on_a_live_worker_is_a_duplicate_and_left_alone(
         self, store: FakeStore
     ) -> None:
-        job = store.jobs.add(running_elsewhere(INCARNATION))
-        assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Skipped(job)
+        store.hosts.live_owners.add("other:2:2")
+        job = store.jobs.add(running_elsewhere("other:2:2"))
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION) == tasks.Skipped(job)
+        assert store.jobs.records[job.id] == job
+
+    def test_a_job_this_worker_runs_is_left_alone_though_its_heartbeat_expired(
+        self, store: FakeStore
+    ) -> None:
+        """Redis down longer than the heartbeat's TTL: on reconnecting, kombu gives back the
+        message this worker held, before its next beat; the job runs here all along."""
+        store.hosts.live_owners.clear()
+        job = store.jobs.add(new_job(status=RS.RUNNING, owner=INCARNATION, host=HOST))
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION) == tasks.Skipped(job)
         assert store.jobs.records[job.id] == job
 
     def test_a_job_running_on_a_dead_worker_is_requeued_and_run(self, store: FakeStore) -> None:
         job = store.jobs.add(running_elsewhere("other:1:1"))
-        prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID)
+        prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION)
         assert isinstance(prepared, tasks.Prepared)
         assert (prepared.job.status, prepared.job.attempts) == (RS.QUEUED, 1)
         assert prepared.runner == store.runners.states[RUNNER_ID]
 
     def test_a_queued_job_is_prepared_with_its_runner(self, store: FakeStore) -> None:
         job = store.jobs.add(new_job())
-        assert tasks._prepare(store.as_store, job.id, RUNNER_ID) == tasks.Prepared(
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION) == tasks.Prepared(
             job, store.runners.states[RUNNER_ID]
         )
 
@@ -98,7 +109,7 @@ class TestPrepare:
         job = store.jobs.add(new_job())
         store.link.unreachable = 1
         with pytest.raises(Reject) as rejected:
-            tasks._prepare(store.as_store, job.id, RUNNER_ID)
+            tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION)
         assert rejected.value.args[1] is True
 
 
