@@ -81,10 +81,19 @@ def instance_of_runner(runner_id: str) -> str | None:
     return instance_id if named and "@" not in runner_id else None
 
 
+def model_path(model: str) -> Path:
+    """`model` as a path, `~` expanded. `~name` for a user this host does not have stays as
+    written: no such directory, so no such model (pathlib would raise)."""
+    try:
+        return Path(model).expanduser()
+    except RuntimeError:
+        return Path(model)
+
+
 def is_local_path(model: str) -> bool:
     """Whether `model` names a local path (absolute, `./`, `../`, `~`, or under an existing
     directory); anything else is a hub id for mlx-lm."""
-    path = Path(model).expanduser()
+    path = model_path(model)
     return (
         path.is_absolute()
         or model.startswith(("./", "../", "~"))

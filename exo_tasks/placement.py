@@ -18,7 +18,7 @@ from typing import Any
 
 from exo_tasks.errors import InvalidRequest, NotFound
 from exo_tasks.instances import Parallel
-from exo_tasks.naming import find_model, is_local_path, model_slug
+from exo_tasks.naming import find_model, is_local_path, model_path, model_slug
 
 CONFIG = "config.json"
 
@@ -50,7 +50,7 @@ def find_source(name: str, served_models: list[str]) -> ModelSource:
 
 
 def _local_config(candidate: str) -> Path | None:
-    path = Path(candidate).expanduser() / CONFIG
+    path = model_path(candidate) / CONFIG
     return path if is_local_path(candidate) and path.is_file() else None
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from exo_tasks.naming import model_path
 from exo_tasks.types import ChatMessage
 
 log = logging.getLogger("exo_tasks.prompt_tokens")
@@ -38,16 +39,16 @@ class PromptTooLong(ValueError):
         )
 
 
-def load(model_path: str) -> Tokenizer | None:
-    """The tokenizer of the model at `model_path` (a directory, or a hub id this host has in
-    its Hugging Face cache; never fetched), or None if there is none to read."""
-    path = Path(model_path).expanduser() / TOKENIZER_FILE
+def load(model: str) -> Tokenizer | None:
+    """The tokenizer of the model at `model` (a directory, or a hub id this host has in its
+    Hugging Face cache; never fetched), or None if there is none to read."""
+    path = model_path(model) / TOKENIZER_FILE
     if not path.is_file():
-        path = _cached_hub_file(model_path) or path
+        path = _cached_hub_file(model) or path
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 (absent or unreadable: the runner counts alone)
-        log.info("no tokenizer to count prompts with", extra={"model": model_path, "why": exc})
+        log.info("no tokenizer to count prompts with", extra={"model": model, "why": exc})
         return None
 
 

@@ -74,6 +74,8 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
     [
         ({"model": "no-such-model", "hosts": XY}, 404, "model", "unknown model 'no-such-model'"),
         ({"model": "org/no hub id", "hosts": XY}, 404, "model", "unknown model 'org/no hub id'"),
+        # A home directory of a user this host does not have (found by tests/chaos/test_fuzz).
+        ({"model": "~0", "hosts": XY}, 404, "model", "unknown model '~0'"),
         ({"hosts": ["fleet-x", "ghost"]}, 404, "hosts", "no live worker on host 'ghost'"),
         ({"hosts": ["fleet-x", "fleet-x"]}, 422, "hosts", "'fleet-x' is listed twice"),
         ({"hosts": ["fleet-x"]}, 422, "hosts", "at least 2"),
@@ -86,6 +88,7 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
     ids=[
         "unknown-model",
         "invalid-hub-id",
+        "unknown-user-home",
         "dead-host",
         "duplicate-hosts",
         "one-host",

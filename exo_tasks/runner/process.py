@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel
@@ -17,7 +16,13 @@ from config.settings import Settings
 from exo_tasks import lifecycle
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.instances import InstanceRecord
-from exo_tasks.naming import instance_runner_id, is_local_path, model_slug, runner_id_for
+from exo_tasks.naming import (
+    instance_runner_id,
+    is_local_path,
+    model_path,
+    model_slug,
+    runner_id_for,
+)
 from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
@@ -198,10 +203,10 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def check_model_path(model_path: str) -> None:
+def check_model_path(model: str) -> None:
     """A model given as a local path must exist; anything else is a hub id for mlx_lm."""
-    if is_local_path(model_path) and not Path(model_path).expanduser().exists():
-        raise ConfigError(f"model path '{model_path}' does not exist")
+    if is_local_path(model) and not model_path(model).exists():
+        raise ConfigError(f"model path '{model}' does not exist")
 
 
 def load_engine(spec: RunnerSpec) -> Engine:
