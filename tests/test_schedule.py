@@ -1,14 +1,17 @@
 """Rank 0's schedule shared with the other ranks (exo_tasks.runner.schedule), without a ring:
 a channel that hands rank 0's plans to a follower in memory, and engines that record what is
-done to them."""
+done to them (or real ones, with the `tiny` model)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
+from exo_tasks.runner.engine import BatchEngine
 from exo_tasks.runner.lane import TokenDelta
+from exo_tasks.runner.prefill_pace import MIN_CHUNK, PrefillPace
 from exo_tasks.runner.schedule import (
     AddJob,
     Diverged,
@@ -25,11 +28,12 @@ from exo_tasks.types import SamplingParams
 class Recorder:
     """An engine that records its calls; each step ends the jobs named in `ending`."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: int | None = None) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.ending: list[str] = []
         self.active_jobs = 0
         self.weights_bytes = 1
+        self.chunk = chunk  # what its own clock would prefill per step
 
     def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:
         self.calls.append(("add", job_id, prompt_tokens, params.seed))
@@ -37,8 +41,14 @@ class Recorder:
     def remove(self, job_id: str) -> None:
         self.calls.append(("remove", job_id))
 
-    def step(self) -> list[TokenDelta]:
-        self.calls.append(("step",))
+    def admit_waiting(self) -> list[TokenDelta]:
+        return []
+
+    def prefill_sizes(self) -> list[int | None]:
+        return [self.chunk]
+
+    def advance(self, chunks: list[int | None]) -> list[TokenDelta]:
+        self.calls.append(("step", chunks))
         return [TokenDelta(job_id, "x", 1, "length") for job_id in self.ending]
 
     def warmup(self) -> None:
@@ -65,7 +75,7 @@ class Wire:
 
 
 def leader(wire: Wire, collectives: Collectives | None = None) -> tuple[LeaderEngine, Recorder]:
-    engine = Recorder()
+    engine = Recorder(chunk=32)
     collectives = collectives or Collectives()
     return LeaderEngine(cast(Any, engine), cast(Any, wire), collectives), engine
 
@@ -81,7 +91,7 @@ def test_a_follower_runs_rank_0_s_operations_in_its_order_with_the_same_seeds() 
     lead.add("c", [4], SamplingParams.model_validate({"temperature": 0.7, "seed": 9}))
     lead.step()
     lead.close()
-    follower = Recorder()
+    follower = Recorder(chunk=8)  # a slower host: its own clock would prefill less a step
     steps: list[tuple[int, int]] = []
     follow(cast(Any, follower), cast(Any, wire), lambda *counts: steps.append(counts))
     assert follower.calls == engine.calls
@@ -126,11 +136,11 @@ def test_rank_0_is_inside_a_collective_while_it_steps_and_blocked_once_past_its_
     rank0, engine = leader(Wire(), collectives)
     seen: list[float | None] = []
 
-    def step() -> list[TokenDelta]:
+    def advance(chunks: list[int | None]) -> list[TokenDelta]:
         seen.append(collectives.since)
         return []
 
-    engine.step = step  # type: ignore[method-assign]
+    engine.advance = advance  # type: ignore[method-assign]
     rank0.step()
     assert seen[0] is not None and collectives.since is None
     collectives.since = 100.0  # inside one since t=100
@@ -141,3 +151,52 @@ def test_rank_0_is_inside_a_collective_while_it_steps_and_blocked_once_past_its_
     assert collectives.blocked(termed=105.0, now=105.0 + PATIENCE_S * 1.5)
     collectives.since = None
     assert not collectives.blocked(termed=0.0, now=1000.0)
+
+
+class SlowHost(PrefillPace):
+    """A follower on a host whose steps take longer: its own pacing would prefill less."""
+
+    def chunk(self, budget_s: float, rows: int, most: int) -> int:
+        return MIN_CHUNK
+
+
+def test_a_follower_prefills_rank_0_s_chunks_whatever_its_own_clock_says(
+    tiny_model: Path,
+) -> None:
+    """A long prompt paced in time beside a decoding job (exo_tasks.runner.prefill_pace), the
+    real engine: each follower step prefills what rank 0's did, and ends the same jobs. (A
+    follower that sized its chunks by its own clock ran other passes of the model than rank 0:
+    on a ring, both ranks then waited for ever in collectives the other never entered.)"""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tiny_model))[:2]
+    engines = [BatchEngine(model, tokenizer, lanes=1, prefill_token_budget=32) for _ in "ab"]
+    lead_engine, follower = engines
+    for lane in follower._lanes:
+        lane.pace = SlowHost()
+    wire = Wire()
+    lead = LeaderEngine(lead_engine, cast(Any, wire), Collectives())
+    prefilled: list[list[int | None]] = []
+    advance = follower.advance
+
+    def recorded(chunks: list[int | None]) -> list[TokenDelta]:
+        prefilled.append(chunks)
+        return advance(chunks)
+
+    follower.advance = recorded  # type: ignore[method-assign]
+    try:
+        greedy = SamplingParams.model_validate({"max_tokens": 40, "ignore_eos": True})
+        lead.add("bystander", tokenizer.encode("bystander"), greedy)
+        for _ in range(3):
+            lead.step()
+        long_prompt = tokenizer.encode("".join(f"{i} little pigs; " for i in range(20)))
+        lead.add("long", long_prompt, greedy.model_copy(update={"max_tokens": 4}))
+        while lead_engine.active_jobs:
+            lead.step()
+        lead.close()
+        sent = [StepPlan.model_validate_json(plan).chunks for plan in wire.plans]
+        follow(follower, cast(Any, wire), lambda *_: None)  # Diverged if it ended other jobs
+    finally:
+        follower.close()
+    assert prefilled == [chunks for chunks in sent if chunks]
+    assert any(chunks[0] not in (None, MIN_CHUNK) for chunks in prefilled)  # paced by rank 0

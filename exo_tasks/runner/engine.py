@@ -246,15 +246,32 @@ class BatchEngine:
     def step(self) -> list[TokenDelta]:
         """Run one prefill/decode step of every lane at once; one delta per job that sampled a
         token."""
+        failed = self.admit_waiting()
+        return failed + self.advance(self.prefill_sizes())
+
+    def admit_waiting(self) -> list[TokenDelta]:
+        """A step's first part: let each lane's waiting jobs into its generator; a failure
+        delta for each that could not join."""
         computing = [lane.jobs[uid] for lane in self._lanes for uid in lane.prefilling]
-        deltas = [d for lane in self._lanes for d in self._admit(lane, computing)]
-        keep = self.prompt_cache.enabled
+        return [d for lane in self._lanes for d in self._admit(lane, computing)]
+
+    def prefill_sizes(self) -> list[int | None]:
+        """The prompt tokens each lane's next step prefills (exo_tasks.runner.lane), sized by
+        what its steps took on this host: an instance's followers are given rank 0's."""
         # Lanes step together: while a job decodes in any lane, every lane's prefill is paced.
         decoding = [lane.pace.decode_s for lane in self._lanes if lane.decoding]
         budget_s = prefill_pace.step_budget(decoding) if decoding else None
+        return [lane.prefill_chunk(budget_s) for lane in self._lanes]
+
+    def advance(self, chunks: list[int | None]) -> list[TokenDelta]:
+        """A step's second part: every lane's prefill (`chunks`, one per lane) and decode."""
+        keep = self.prompt_cache.enabled
+        deltas: list[TokenDelta] = []
         # Lane 0 runs here, when it is submitted: the others are started before it.
-        busy = [lane for lane in reversed(self._lanes) if lane.jobs]
-        running = [(lane, lane.submit(lane.advance, keep, budget_s)) for lane in busy]
+        busy = [(lane, chunk) for lane, chunk in zip(self._lanes, chunks, strict=True)][::-1]
+        running = [
+            (lane, lane.submit(lane.advance, keep, chunk)) for lane, chunk in busy if lane.jobs
+        ]
         batch = 0
         self._prefill_chunks = 0
         for lane, future in running:

@@ -234,16 +234,22 @@ class Lane:
         """Whether a job of the lane is past its prompt (its next token waits for each step)."""
         return len(self.jobs) > len(self.prefilling)
 
-    def advance(self, keep: bool, budget_s: float | None = None) -> Advance:
+    def prefill_chunk(self, budget_s: float | None) -> int | None:
+        """The tokens of each prompt the next step prefills, with a token budget (on the CPU);
+        `budget_s`: the time that prefill may take (None: no limit). None without a budget:
+        the generator's own step size."""
+        if not self.prefill_token_budget:
+            return None
+        computing = self._computing([self.jobs[uid].prefill_left for uid in self.prefilling])
+        chunk = self._chunk(computing)
+        return chunk if budget_s is None else self.pace.chunk(budget_s, len(computing), chunk)
+
+    def advance(self, keep: bool, chunk: int | None = None) -> Advance:
         """The generator's next step, on the lane's thread; `keep`: with the KV states of the
-        prompts it finished prefilling and the sequences it ended, evaluated here; `budget_s`:
-        the time its prefill may take (with a token budget only: on the CPU), None: no limit."""
+        prompts it finished prefilling and the sequences it ended, evaluated here; `chunk`:
+        the tokens of each prompt it prefills (`prefill_chunk`)."""
         decoding = self.decoding
-        if self.prefill_token_budget:
-            computing = self._computing([self.jobs[uid].prefill_left for uid in self.prefilling])
-            chunk = self._chunk(computing)
-            if budget_s is not None:
-                chunk = self.pace.chunk(budget_s, len(computing), chunk)
+        if chunk is not None:
             self.generator.prefill_step_size = chunk
         started = time.perf_counter()
         prompts, responses = self.generator.next()

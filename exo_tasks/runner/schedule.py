@@ -59,6 +59,10 @@ class StepPlan(BaseModel):
     ops: list[Operation] = []
     # The jobs rank 0's previous step ended (or failed): each follower's must be the same.
     ended: list[str] = []
+    # The prompt tokens each lane's step prefills. Rank 0 sizes them by the time its own steps
+    # take; a follower that sized its own by its clock would run other passes of the model and
+    # wait in collectives rank 0 never enters.
+    chunks: list[int | None] = []
 
 
 class Diverged(RuntimeError):
@@ -138,8 +142,10 @@ class LeaderEngine:
 
     def step(self) -> list[TokenDelta]:
         with self.collectives.inside():
-            self._send("step")
-            deltas = self.engine.step()
+            failed = self.engine.admit_waiting()  # no collective: it only queues prompts
+            chunks = self.engine.prefill_sizes()
+            self._send("step", chunks)
+            deltas = failed + self.engine.advance(chunks)
         # A collective inside the step that lost its peer fails the lane's jobs as deltas.
         lost = next((d.error for d in deltas if d.error and is_ring_error(d.error)), None)
         if lost is not None:
@@ -158,8 +164,10 @@ class LeaderEngine:
             self._send("close")
         self.engine.close()
 
-    def _send(self, action: Literal["step", "warmup", "close"]) -> None:
-        plan = StepPlan(action=action, ops=self._ops, ended=self._ended)
+    def _send(
+        self, action: Literal["step", "warmup", "close"], chunks: list[int | None] | None = None
+    ) -> None:
+        plan = StepPlan(action=action, ops=self._ops, ended=self._ended, chunks=chunks or [])
         self._ops, self._ended = [], []
         try:
             self.channel.send(plan)
@@ -193,7 +201,7 @@ def follow(engine: BatchEngine, channel: Channel, on_step: Callable[[int, int], 
             engine.warmup()
             ended = []
         else:
-            deltas = engine.step()
+            deltas = engine.admit_waiting() + engine.advance(plan.chunks)
             ended = ended_jobs(deltas)
             fresh.difference_update(d.job_id for d in deltas)
         on_step(engine.active_jobs, len(fresh))
