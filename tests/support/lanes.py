@@ -1,7 +1,9 @@
-"""Which pytest-xdist process runs which module under `--dist loadgroup` (`make test`): two
-lanes chosen by hand, so that two processes on two cores finish together, the session's hosts
-start once, and a module timing stops runs beside one that mostly waits. The figures behind
-the lanes: docs/testing.md. In one process (no `-n`) only the check of the table applies.
+"""Which pytest-xdist process runs which module under `--dist loadgroup` (`make test`): three
+lanes chosen by hand, so that three processes finish together, each session host starts once
+per process that needs it, and the modules that mostly wait (stop bounds, heartbeat expiries,
+failovers) are spread over the lanes. Three on two cores: the suite waits more than it
+computes (about one core busy on average with two processes). The figures behind the lanes:
+docs/testing.md. In one process (no `-n`) only the check of the table applies.
 
 Our scheduler, not xdist's own loadgroup: with pytest 9.2 that groups nothing, for it marks a
 group by rewriting each test's node id, which pytest no longer reads (pytest-xdist#1386)."""
@@ -14,35 +16,46 @@ from typing import Any
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-# The session fixtures that start workers: each starts once in the whole run, in the process
-# of the lane HOSTS, so every module using one must be there (checked at collection).
-SESSION_HOSTS = frozenset({"stack", "fleet"})
+# The session fixtures that start workers: each starts at most once per process, in the lanes
+# that may use them (checked at collection), so no other lane pays for their start.
+SESSION_HOSTS: dict[str, frozenset[str]] = {
+    "stack": frozenset({"hosts", "fleet"}),
+    "fleet": frozenset({"fleet"}),
+}
 
-# Each lane in its order. Beside OWN's stop timings of test_stack_stop, HOSTS first runs
-# modules that mostly wait (heartbeat expiries, idle timeouts); test_shutdown (stop timings, its
-# own workers' CPU) then runs beside OWN's modules that mostly wait (failover, SIGKILLed hosts
-# and Redis, chaos kills). The modules using the fleet come last: it idles less.
+# Each lane in its order (seconds each module took with two processes: docs/testing.md).
 LANES: dict[str, tuple[str, ...]] = {
+    # The session's stack: stop timings and recovery (mostly waiting), then the rest.
     "hosts": (
         "tests/test_recovery.py",
         "tests/test_idle_unload.py",
         "tests/test_shutdown.py",
-        "tests/chaos/test_hostile.py",
         "tests/chaos/test_long_prompts.py",
+        "tests/chaos/test_storage.py",
+        "tests/test_cli_client.py",
+        "tests/test_front_door.py",
+        "tests/test_cancel.py",
+        "tests/test_control.py",
+    ),
+    # Modules with workers of their own (CPU, beside the others' waiting), then the session's
+    # stack and, last, its fleet.
+    "fleet": (
+        "tests/test_instance_ranks.py",
+        "tests/test_batch_recovery.py",
+        "tests/chaos/test_fuzz.py",
+        "tests/test_lost_ending.py",
+        "tests/test_instance_stack.py",
+        "tests/test_batch_hostile.py",
+        "tests/chaos/test_hostile.py",
         "tests/chaos/test_prompt_flood.py",
         "tests/chaos/test_slow_clients.py",
-        "tests/chaos/test_storage.py",
         "tests/test_auth.py",
         "tests/test_batches.py",
-        "tests/test_cancel.py",
         "tests/test_cli.py",
         "tests/test_cli_batch.py",
-        "tests/test_cli_client.py",
         "tests/test_cli_terminal.py",
         "tests/test_clients.py",
-        "tests/test_control.py",
         "tests/test_fairness.py",
-        "tests/test_front_door.py",
         "tests/test_jobs.py",
         "tests/test_limits.py",
         "tests/test_metrics.py",
@@ -58,27 +71,21 @@ LANES: dict[str, tuple[str, ...]] = {
         "tests/test_instance_routing.py",
         "tests/test_instances_api.py",
     ),
-    # Modules with Redis and workers of their own.
+    # Redis and workers of their own: whole stacks stopped, Redis failed over, hosts and
+    # ranks killed.
     "own": (
         "tests/test_stack_stop.py",
         "tests/test_ha.py",
-        "tests/test_batch_recovery.py",
         "tests/chaos/test_chaos.py",
         "tests/test_instance_faults.py",
-        "tests/test_instance_ranks.py",
-        "tests/test_instance_stack.py",
-        "tests/chaos/test_fuzz.py",
-        "tests/test_batch_hostile.py",
         "tests/test_prompt_cache.py",
         "tests/test_engine.py",
         "tests/test_chat_text.py",
-        "tests/test_lost_ending.py",
     ),
 }
 # Any other module (unit tests, store, config ...: seconds each) is a unit of its own, after
 # the lanes, for whichever process is free first.
 LANE_OF = {module: lane for lane, modules in LANES.items() for module in modules}
-HOSTS = "hosts"
 
 
 def module_of(nodeid: str) -> str:
@@ -114,13 +121,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _check_lane(module: str, tests: Sequence[pytest.Item]) -> None:
-    if LANE_OF.get(module) != HOSTS and any(
-        SESSION_HOSTS.intersection(getattr(item, "fixturenames", ())) for item in tests
-    ):
-        raise pytest.UsageError(
-            f"{module} uses a session host ({', '.join(sorted(SESSION_HOSTS))}): list it in "
-            f"the lane {HOSTS!r} of tests/support/lanes.py"
-        )
+    used = {name for item in tests for name in getattr(item, "fixturenames", ())}
+    for host in sorted(used.intersection(SESSION_HOSTS)):
+        if LANE_OF.get(module) not in SESSION_HOSTS[host]:
+            raise pytest.UsageError(
+                f"{module} uses the session's {host!r}: list it in a lane of "
+                f"{sorted(SESSION_HOSTS[host])} in tests/support/lanes.py"
+            )
 
 
 def _rank(module: str) -> tuple[int, int]:
