@@ -232,6 +232,23 @@ class TestEscalation:
         supervisor.stop_runner(RUNNER_ID, StopRunner(mode="hard"), 1.0, on_purpose=True)
         assert serving == [("tiny", False)]
 
+    def hang(
+        self,
+        supervisor: RunnerSupervisor,
+        host: Host,
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        in_prefill: bool,
+    ) -> None:
+        """The runner, deaf to requests, has been silent past its stall limit with one job (no
+        first token yet, or decoding); the supervisor's stops run at once."""
+        monkeypatch.setattr(supervisor_module, "in_thread", lambda target, *args: target(*args))
+        running(host).obeys = False
+        settings = supervisor.settings
+        limit_s = settings.prefill_timeout_s if in_prefill else settings.decode_timeout_s
+        silent_since = time.monotonic() - limit_s - 1
+        supervisor.handles[RUNNER_ID].progress = RunnerProgress([silent_since, 1, in_prefill])
+
     def test_a_hung_runners_jobs_fail_at_once_and_it_gets_no_grace(
         self,
         supervisor: RunnerSupervisor,
@@ -240,11 +257,7 @@ class TestEscalation:
         clock: FakeClock,
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        monkeypatch.setattr(supervisor_module, "in_thread", lambda target, *args: target(*args))
-        running(host).obeys = False
-        handle = supervisor.handles[RUNNER_ID]
-        silent_since = time.monotonic() - supervisor.settings.prefill_timeout_s - 1
-        handle.progress = RunnerProgress([silent_since, 1, 1])  # one job, no first token
+        self.hang(supervisor, host, monkeypatch, in_prefill=True)
         asked_at = clock.now
         supervisor._check_stalls()
         assert store.runners.failed_jobs[0][0] == RUNNER_ID
@@ -259,11 +272,7 @@ class TestEscalation:
         store: FakeStore,
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        monkeypatch.setattr(supervisor_module, "in_thread", lambda target, *args: target(*args))
-        running(host).obeys = False
-        handle = supervisor.handles[RUNNER_ID]
-        silent_since = time.monotonic() - supervisor.settings.decode_timeout_s - 1
-        handle.progress = RunnerProgress([silent_since, 1, 0])  # one job, decoding
+        self.hang(supervisor, host, monkeypatch, in_prefill=False)
         store.link.unreachable = 1
         supervisor._check_stalls()
         assert [signum for signum, _ in host.stopped_at] == [SIGTERM]
