@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser run test lint typecheck bench clean reliability-report
+.PHONY: setup browser run test suite lint typecheck bench clean reliability-report
 
 setup: $(STAMP)
 
@@ -36,14 +36,17 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
-# One pytest process by default. TEST_WORKERS=2 runs two (pytest-xdist), each on a lane of
-# modules chosen by hand in tests/support/lanes.py, which `--dist loadgroup` selects: about 17
-# min against 21-28 serially on CI's 2 cores, but each run so far has had 1-4 timing tests fail
-# from the CPU contention (a different set each time): not the default until they hold on a busy
-# machine. More than 2 gain nothing (two lanes). Where the time goes: docs/testing.md.
-TEST_WORKERS ?= 0
+# Three pytest processes (pytest-xdist) on two cores, for the suite waits more than it computes:
+# each on a lane of modules chosen by hand in tests/support/lanes.py, which `--dist loadgroup`
+# selects. TEST_WORKERS=0 runs it in one process (about twice as long). mypy runs beside the
+# suite: it needs one core for a minute, and the suite leaves about a quarter of the machine
+# idle. Where the time goes: docs/testing.md.
+TEST_WORKERS ?= 3
 
-test: lint typecheck browser
+test: lint
+	$(MAKE) --no-print-directory -j2 typecheck suite
+
+suite: browser
 	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup
 
 # The chaos suite writes its report to var/reports/ on every run; publish the last one.
