@@ -30,7 +30,8 @@ from tests.support.stack import Stack, new_worker, wait_tokens
 from tests.support.workers import Worker, runner_state
 
 # A job long enough to be in flight when the worker dies, short enough to finish quickly after.
-MEDIUM = {"prompt": "medium", "max_tokens": 600, "ignore_eos": True}
+# Long enough to be in flight when the test kills their worker, however loaded the machine.
+MEDIUM = {"prompt": "medium", "max_tokens": 2000, "ignore_eos": True}
 # Within this long of a dead worker's heartbeat going stale, its jobs are queued again.
 REQUEUE_BOUND_S = 15.0
 # From a lapsed heartbeat's return to its host's runner Ready again: the next beat (at once),
@@ -103,7 +104,7 @@ def test_a_sigkilled_workers_jobs_are_requeued_from_its_heartbeat_not_the_broker
     for job_id in ids:
         job = stack.api.wait_job(job_id, timeout_s=60)
         assert job["status"] == "succeeded" and job["attempts"] == 1
-        assert job["usage"]["completion_tokens"] == 600
+        assert job["usage"]["completion_tokens"] == MEDIUM["max_tokens"]
         assert [e.event for _, e in stack.store.streams.read_events(job_id)].count("done") == 1
     reader.join(timeout=5)
     assert events[-1] == "done" and events.count("requeued") == 1
