@@ -268,9 +268,9 @@ class BatchEngine:
         keep = self.prompt_cache.enabled
         deltas: list[TokenDelta] = []
         # Lane 0 runs here, when it is submitted: the others are started before it.
-        busy = [(lane, chunk) for lane, chunk in zip(self._lanes, chunks, strict=True)][::-1]
+        lanes = list(zip(self._lanes, chunks, strict=True))[::-1]
         running = [
-            (lane, lane.submit(lane.advance, keep, chunk)) for lane, chunk in busy if lane.jobs
+            (lane, lane.submit(lane.advance, keep, chunk)) for lane, chunk in lanes if lane.jobs
         ]
         batch = 0
         self._prefill_chunks = 0
