@@ -14,7 +14,16 @@ import psutil
 from exo_tasks.launcher import API_STOP_S
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest
-from tests.support.processes import Processes, has_exited, start_api, start_redis, wait_until
+from tests.support.processes import (
+    EXO_TASKS,
+    Processes,
+    exo_env,
+    free_port,
+    has_exited,
+    start_api,
+    start_redis,
+    wait_until,
+)
 
 STREAMS = 20
 IDLE_CONNECTIONS = 20
@@ -53,3 +62,23 @@ def test_sigterm_stops_the_api_with_streams_and_keepalives_open_within_half_its_
     # at exit took the workers 1.1-1.9 s of such a machine.
     assert elapsed < API_STOP_S / 2
     assert api.master.wait(1) == 0
+
+
+def test_sigterm_while_the_workers_boot_stops_the_api_within_half_its_bound(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """A stop that comes as the API starts (a stack stopped during its start): its workers are
+    still booting. Such a worker used to lose the SIGTERM (it still had the master's handler)
+    and boot on until gunicorn's graceful_timeout, 5 s, past the launcher's stage."""
+    server = start_redis(processes, tmp_path / "redis")
+    env = exo_env(api_port=free_port(), redis_url=server.url, data_dir=tmp_path)
+    master = processes.start([EXO_TASKS, "api"], env, tmp_path / "api.log")
+    api = psutil.Process(master.pid)
+    workers = wait_until(lambda: api.children() if len(api.children()) == 2 else None, 30, "forks")
+    started = time.monotonic()
+    master.send_signal(signal.SIGTERM)
+    tree = [api, *workers]
+    wait_until(lambda: all(has_exited(p.pid) for p in tree), 10, "the API gone")
+    elapsed = time.monotonic() - started
+    print(f"SIGTERM as the workers boot: the API's processes gone in {elapsed:.2f}s")
+    assert elapsed < API_STOP_S / 2

@@ -2,6 +2,7 @@
 from the project's Settings."""
 
 import importlib
+import signal
 import sys
 from typing import Any
 
@@ -56,6 +57,15 @@ keepalive = 5
 def pre_fork(server: Any, worker: Any) -> None:
     worker.arrivals_board = _seating.board
     worker.arrivals_seat = _seating.seat()
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """In a worker just forked: until gunicorn installs the worker's own signal handlers (after
+    gevent's patching), it has the master's, which queue a signal for a master that is not in
+    this process: a SIGTERM then was lost, and the worker booted on and held the API's stop
+    until graceful_timeout (5 s, past the stack's 2 s). Until then SIGTERM ends it at once: it
+    holds nothing yet."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def child_exit(server: Any, worker: Any) -> None:
