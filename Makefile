@@ -36,12 +36,13 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
-# Three pytest processes (pytest-xdist) on two cores, for the suite waits more than it computes:
-# each on a lane of modules chosen by hand in tests/support/lanes.py, which `--dist loadgroup`
-# selects. TEST_WORKERS=0 runs it in one process (about twice as long). mypy runs beside the
-# suite: it needs one core for a minute, and the suite leaves about a quarter of the machine
-# idle. Where the time goes: docs/testing.md.
-TEST_WORKERS ?= 3
+# One pytest process by default. TEST_WORKERS=3 runs three (pytest-xdist) on two cores, for the
+# suite waits more than it computes: each on a lane of modules chosen by hand in
+# tests/support/lanes.py, which `--dist loadgroup` selects: 9-10 minutes on a fresh clone
+# against 18-19, but each run so far has had a timing test or two fail under that load (a
+# different one each time, each fixed at its cause: docs/testing.md): not the default until
+# runs pass. mypy runs beside the suite: one core for a minute.
+TEST_WORKERS ?= 0
 
 test: lint
 	$(MAKE) --no-print-directory -j2 typecheck suite

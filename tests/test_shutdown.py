@@ -115,8 +115,9 @@ def test_escalation_sigkills_a_runner_that_does_not_stop(
     elapsed = time.monotonic() - started
     assert state.error == "Terminated (signal 9 SIGKILL)"
     assert 1.5 + 5 <= elapsed < 10  # grace (0.5 s + 1 s), SIGTERM, 5 s, SIGKILL
-    log = worker.log_text()
-    for step in ("stopping runner", "sending SIGTERM", "sending SIGKILL", "runner stopped"):
+    # The supervisor logs "runner stopped" just after it writes the state waited for above.
+    log = wait_until(lambda: "runner stopped" in (text := worker.log_text()) and text, 2, "log")
+    for step in ("stopping runner", "sending SIGTERM", "sending SIGKILL"):
         assert step in log
     assert not psutil.pid_exists(pid)
     time.sleep(1)

@@ -160,7 +160,9 @@ def test_sigterm_with_100_jobs_queued_then_restart_completes_all(
     chaos: Chaos, reliability: Report
 ) -> None:
     worker = chaos.worker("chaos-term", worker_concurrency=2)
-    ids = submit_many(chaos.api, 100, max_tokens=8)
+    # Long enough that the two children run few while the rest are sent (8 tokens each: 54
+    # had run by then on a loaded machine).
+    ids = submit_many(chaos.api, 100, max_tokens=200, ignore_eos=True)
     started = time.monotonic()
     worker.process.send_signal(signal.SIGTERM)
     worker.process.wait(timeout=40)
