@@ -39,7 +39,9 @@ class ExoCelery(Celery):
     amqp_cls = f"{__name__}:NamedSenderAMQP"
 
     def __init__(self, settings: Settings, role: str = "client") -> None:
-        super().__init__("exo_tasks", include=["exo_tasks.worker.tasks"])
+        super().__init__(
+            "exo_tasks", include=["exo_tasks.worker.tasks", "exo_tasks.worker.runner_tasks"]
+        )
         reuse_clients()  # not a new redis-py client per message sent (exo_tasks/broker.py)
         self.settings = settings
         self.role = role
