@@ -44,6 +44,9 @@ log = logging.getLogger("exo_tasks.supervisor")
 WATCH_INTERVAL_S = 0.1
 CONTROL_POLL_S = 1.0
 REAP_WAIT_S = 1.0
+# How long a stopping worker waits for its ranks' exits to be settled (ranks.py: at most half a
+# heartbeat for a peer's cause, then a few writes).
+SETTLE_WAIT_S = 10.0
 _spawn = multiprocessing.get_context("spawn")
 
 
@@ -65,6 +68,7 @@ class RunnerSupervisor:
         self.exits = RunnerExits(settings, store, self.on_serving)
         # Told when a rank of an instance exits (exo_tasks.worker.ranks): ranks are not restarted.
         self.on_rank_exit: RankExitCallback = lambda handle, exitcode, cause: None
+        self._settling: list[threading.Thread] = []  # on_rank_exit calls under way
         self.handles: dict[str, RunnerHandle] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
@@ -171,7 +175,8 @@ class RunnerSupervisor:
                 self.handles = {k: h for k, h in self.handles.items() if h is not handle}
                 cause = exit_cause(process.exitcode)
                 why = f"{handle.stall}; {cause}" if handle.stall else cause
-                in_thread(self.on_rank_exit, handle, process.exitcode, why)
+                settle = in_thread(self.on_rank_exit, handle, process.exitcode, why)
+                self._settling = [t for t in self._settling if t.is_alive()] + [settle]
             else:
                 self.exits.record(handle, process.exitcode)
             # Only once recorded: if Redis was down, the next watch round records it again.
@@ -322,6 +327,10 @@ class RunnerSupervisor:
         ]
         for thread in threads:
             thread.join()
+        # The worker exits after its ranks' exits are settled: a rank whose record still says
+        # it runs would hold its instance short of Shutdown or Failed, with no one to move it.
+        for thread in list(self._settling):
+            thread.join(SETTLE_WAIT_S)
         if warm or not any(h.process for h in self.handles.values()):
             self._closing.set()
             self.on_stopped()

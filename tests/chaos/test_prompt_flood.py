@@ -34,6 +34,9 @@ OVER_LONG = "the quick brown fox jumps over the lazy dog. " * 2_222
 # Enough for the runner alone to be stalled past its watchdog before the fix (the tiny model
 # tokenizes one in 20-30 ms): 150 is the issue's flood; make bench sends 1,000.
 FLOOD = 150
+# A stall: the runner's watchdog ended it at 5 s before the fix. A quiet machine shows gaps of
+# 0.15 s in this flood; three test processes on two cores, 1.4 s.
+MAX_GAP_S = 3.0
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Stream:
 
     def unharmed(self, stack: Stack) -> None:
         """Still streaming after the flood: stopped now (a cancel keeps its text), its stream
-        is whole and no token of it came a second or more after the one before."""
+        is whole and no token of it came MAX_GAP_S or more after the one before."""
         assert self.done == {}, f"the bystander ended during the flood: {self.done}"
         assert stack.api.post(f"/v1/jobs/{self.job_id}/cancel").status_code == 202
         job = stack.api.wait_job(self.job_id)
@@ -69,7 +72,7 @@ class Stream:
         assert "".join(self.texts) == job["output"]["text"]
         assert len(self.texts) == job["usage"]["completion_tokens"]
         gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
-        assert max(gaps) < 1.0, f"a token came {max(gaps):.2f}s after the one before"
+        assert max(gaps) < MAX_GAP_S, f"a token came {max(gaps):.2f}s after the one before"
 
 
 @pytest.fixture

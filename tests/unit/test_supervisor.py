@@ -19,7 +19,7 @@ import pytest
 from exo_tasks.commands import RunnerCommand, StopRunner
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import process as runner_process
-from exo_tasks.runner.process import RunnerProgress
+from exo_tasks.runner.process import RankSpec, RunnerProgress
 from exo_tasks.worker import runner_exits
 from exo_tasks.worker import supervisor as supervisor_module
 from exo_tasks.worker.supervision import (
@@ -391,3 +391,31 @@ def test_a_stop_of_a_runner_whose_handle_is_gone_is_a_no_op(supervisor: RunnerSu
     """A rank's handle goes when it exits: a stop asked for just before (the worker's own stop,
     beside its instance's) finds none; it raised KeyError in its thread."""
     assert supervisor.stop_runner("inst-x.rank0", StopRunner(mode="hard"), 1.0) == "not running"
+
+
+def test_a_stopping_worker_waits_for_its_ranks_exits_to_be_settled(
+    supervisor: RunnerSupervisor, store: FakeStore
+) -> None:
+    """A rank's exit is settled (its instance's records) in a thread of its own. A worker in a
+    warm shutdown once exited while it ran: the rank's record said it still ran, and its
+    instance never reached Failed (test_instance_faults, under load)."""
+    settled: list[tuple[str, int]] = []
+
+    def settle(handle: Any, exitcode: int, cause: str) -> None:
+        time.sleep(0.3)  # a few Redis writes on a loaded machine
+        settled.append((handle.spec.runner_id, exitcode))
+
+    def stop_at_once(runner_id: str, command: RunnerCommand) -> None:
+        process = supervisor.handles[runner_id].process
+        assert isinstance(command, StopRunner) and process is not None
+        process.exitcode = 0
+
+    rank = RankSpec(
+        instance_id="inst-x", generation=1, rank=1, world=2, parallel="tensor", address="x"
+    )
+    whole = supervisor.handles[RUNNER_ID].spec
+    supervisor.add_rank(whole.model_copy(update={"runner_id": "inst-x.rank1", "rank": rank}))
+    supervisor.on_rank_exit = settle
+    store.runners.on_send = stop_at_once
+    supervisor.stop()
+    assert settled == [("inst-x.rank1", 0)]
