@@ -394,7 +394,7 @@ def test_a_stop_of_a_runner_whose_handle_is_gone_is_a_no_op(supervisor: RunnerSu
 
 
 def test_a_stopping_worker_waits_for_its_ranks_exits_to_be_settled(
-    supervisor: RunnerSupervisor, store: FakeStore
+    supervisor: RunnerSupervisor, host: Host, store: FakeStore
 ) -> None:
     """A rank's exit is settled (its instance's records) in a thread of its own. A worker in a
     warm shutdown once exited while it ran: the rank's record said it still ran, and its
@@ -406,15 +406,15 @@ def test_a_stopping_worker_waits_for_its_ranks_exits_to_be_settled(
         settled.append((handle.spec.runner_id, exitcode))
 
     def stop_at_once(runner_id: str, command: RunnerCommand) -> None:
-        process = supervisor.handles[runner_id].process
-        assert isinstance(command, StopRunner) and process is not None
-        process.exitcode = 0
+        assert isinstance(command, StopRunner)
+        processes[runner_id].exitcode = 0
 
     rank = RankSpec(
         instance_id="inst-x", generation=1, rank=1, world=2, parallel="tensor", address="x"
     )
     whole = supervisor.handles[RUNNER_ID].spec
     supervisor.add_rank(whole.model_copy(update={"runner_id": "inst-x.rank1", "rank": rank}))
+    processes = {RUNNER_ID: host.processes[0], "inst-x.rank1": running(host)}
     supervisor.on_rank_exit = settle
     store.runners.on_send = stop_at_once
     supervisor.stop()
