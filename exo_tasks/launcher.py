@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from config.settings import Settings
 from exo_tasks.errors import ExoError
-from exo_tasks.lifeline import die_with_parent, still_running
+from exo_tasks.lifeline import die_with_parent, started, still_running
 from exo_tasks.redis_auth import private_dir, write_private
 from exo_tasks.redis_ha import ha_ports
 
@@ -159,17 +159,17 @@ def _wait_stage(stage: Stage, group: list[Member], signals: Callable[[], int]) -
 class RecordedProcess(BaseModel):
     name: str
     pid: int
-    create_time: float  # tells a reused pid apart
+    create_time: float  # lifeline.started: tells a reused pid apart
 
     @classmethod
     def of(cls, name: str, process: psutil.Process) -> RecordedProcess:
-        return cls(name=name, pid=process.pid, create_time=process.create_time())
+        return cls(name=name, pid=process.pid, create_time=started(process))
 
     def member(self) -> Member | None:
         """The process, if it still runs (and is the one recorded)."""
         try:
             process = psutil.Process(self.pid)
-            same = abs(process.create_time() - self.create_time) < 0.1
+            same = abs(started(process) - self.create_time) < 0.1
         except psutil.NoSuchProcess:
             return None
         member = Member(self.name, process)

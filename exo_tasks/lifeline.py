@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
+from pathlib import Path
 
 import psutil
 
@@ -32,3 +34,19 @@ def still_running(process: psutil.Process) -> bool:
         return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
+
+
+def started(process: psutil.Process) -> float:
+    """When `process` started, in seconds: with its pid, it tells a reused pid apart. On Linux
+    the time since boot, from /proc: psutil's create_time adds /proc/stat's btime, whole
+    seconds that move when the wall clock is adjusted (a running stack's launcher was once
+    taken for gone by `down`). Elsewhere its create_time, fixed as it started."""
+    if sys.platform != "linux":
+        return float(process.create_time())
+    try:
+        stat = Path(f"/proc/{process.pid}/stat").read_text()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(process.pid) from None
+    # Field 22, starttime in clock ticks; the fields after the name (in parentheses) from 3.
+    ticks = int(stat.rpartition(")")[2].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -350,7 +350,9 @@ def test_an_idle_workers_pool_is_gone_at_once_on_a_warm_shutdown(
     assert worker.process.wait(timeout=10) == 0
     took = time.monotonic() - started
     print(f"idle worker: pool gone {pool_gone:.2f}s, worker {took:.2f}s after SIGTERM")
-    assert pool_gone < 0.5, worker.log_text()[-3000:]
+    # Under the second each child slept (the defect's least), whatever the machine's load:
+    # three test processes on two cores have taken 0.8 s.
+    assert pool_gone < 0.95, worker.log_text()[-3000:]
 
 
 @pytest.mark.parametrize("how", ["api", "second-ctrl-c"])
