@@ -18,7 +18,9 @@ $(STAMP): requirements.txt pyproject.toml
 
 # The headless browser of tests/test_flower_pages.py: Debian's Chromium where apt-get is and we
 # are root (CI), else Playwright's own build (a download of its own, which CI's network refuses).
-browser: setup
+# Only Playwright's needs the venv: apt-get's download (about 40 s) runs beside pip's.
+SYSTEM_BROWSER := $(shell command -v chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get; })
+browser: $(if $(SYSTEM_BROWSER),,setup)
 	@if command -v chromium >/dev/null; then :; \
 	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 		export DEBIAN_FRONTEND=noninteractive; \
@@ -36,18 +38,17 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy exo_tasks config tests bench
 
-# One pytest process by default. TEST_WORKERS=3 runs three (pytest-xdist) on two cores, for the
-# suite waits more than it computes: each on a lane of modules chosen by hand in
-# tests/support/lanes.py, which `--dist loadgroup` selects: 9-10 minutes on a fresh clone
-# against 18-19, but each run so far has had a timing test or two fail under that load (a
-# different one each time, each fixed at its cause: docs/testing.md): not the default until
-# runs pass. mypy runs beside the suite: one core for a minute.
-TEST_WORKERS ?= 0
+# Three pytest processes (pytest-xdist) on two cores, for the suite waits more than it
+# computes: each on a lane of modules chosen by hand in tests/support/lanes.py, which
+# `--dist loadgroup` selects: under 10 minutes on a fresh clone against 17-18 in one process
+# (TEST_WORKERS=0; docs/testing.md). ruff, mypy (one core for a minute) and the browser's
+# install run beside them.
+TEST_WORKERS ?= 3
 
-test: lint
-	$(MAKE) --no-print-directory -j2 typecheck suite
+test:
+	$(MAKE) --no-print-directory -j3 lint typecheck suite
 
-suite: browser
+suite: setup browser
 	$(BIN)/pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup
 
 # The chaos suite writes its report to var/reports/ on every run; publish the last one.
