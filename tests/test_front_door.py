@@ -4,6 +4,7 @@ is cut off, a vanished client is noticed, and a running job shows its progress."
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import selectors
@@ -23,7 +24,7 @@ import redis
 import requests
 
 from config.settings import Settings
-from exo_tasks.api.arrivals import MAX_WAIT_S
+from exo_tasks.api.arrivals import MAX_WAIT_S, QUIET_S
 from exo_tasks.api.streams import EventHub, StreamOverflow
 from exo_tasks.store import Store, connect, events_key
 from exo_tasks.types import JobRecord, JobRequest, TokenEvent
@@ -200,6 +201,8 @@ def heads_as_they_arrive(
 
 CROWD = 500  # arriving over 1.5 s
 SPACING_S = 0.003
+# From the door's release to the job's record: its watcher's look, then the record made.
+RELEASE_S = 0.05
 
 
 @pytest.fixture
@@ -245,9 +248,12 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
             for _ in range(CROWD)
         ]
 
+        sent_at: list[float] = []
+
         def crowd() -> None:  # a request every SPACING_S: the API is never idle for long
             for n, sock in enumerate(socks):
                 sock.sendall(streamed_completion("one of a crowd", user=f"crowd-{n}"))
+                sent_at.append(time.time())
                 time.sleep(SPACING_S)
 
         sender = threading.Thread(target=crowd)
@@ -265,10 +271,19 @@ def test_a_crowd_of_streams_gets_every_first_byte_before_any_of_its_jobs_is_subm
             "every job of the burst submitted",
         )
     last_head_at = max(at for at, _ in heads)
-    early = [r.id for r in records if r is not None and r.created_at.timestamp() < last_head_at]
+    # The door lets jobs go after QUIET_S without a request: a pause of this sender (its
+    # process descheduled on a loaded machine: 75 of 500 jobs went so once) is such a moment.
+    pauses = [(a, b) for a, b in itertools.pairwise(sent_at) if b - a > QUIET_S]
+
+    def mid_crowd(record: JobRecord | None) -> bool:
+        created = record.created_at.timestamp() if record is not None else 0.0
+        in_a_pause = any(a < created < b + RELEASE_S for a, b in pauses)
+        return created < last_head_at and not in_a_pause
+
+    early = [r for r in records if mid_crowd(r)]
     assert all(head.startswith(b"HTTP/1.1 200") for _, head in heads)
-    # Not one before the last first byte (seen a moment after it was sent; a few may slip in
-    # that moment); without the wait, most of them.
+    # Not one before the last first byte but in the sender's pauses (seen a moment after it
+    # was sent; a few may slip in that moment); without the wait, most of them.
     assert len(early) <= CROWD // 10, f"{len(early)} of {CROWD} jobs submitted mid-crowd"
 
 

@@ -33,6 +33,7 @@ from exo_tasks.naming import (
     instance_runner_id,
     runner_id_for,
 )
+from exo_tasks.recovery import HEARTBEAT_INTERVAL_S
 from exo_tasks.store import Store
 from exo_tasks.types import JobEnding, JobRecord, JobStatus, RequeuedEvent
 from exo_tasks.worker import soft_limit, task_states
@@ -43,6 +44,11 @@ WAIT_SLICE_MS = 1000
 # After a soft time limit the runner ends the job at its next step; this bounds our wait.
 CANCEL_ACK_S = 3.0
 REDIS_RETRY_S = 0.5
+# A job's holder with no heartbeat at all may have lost Redis for longer than the heartbeat's
+# TTL: its kombu gives back the messages it held as it reconnects, and one may reach this worker
+# before that worker beats again. It is given two beats to show it lives.
+OWNER_BEAT_WAIT_S = 2 * HEARTBEAT_INTERVAL_S
+OWNER_BEAT_POLL_S = 0.2
 PINNED_REQUEUE_PAUSE_S = 1.0
 
 
@@ -208,12 +214,25 @@ def _prepare(store: Store, job_id: str, runner_id: str, incarnation: str) -> Pre
     if delivery is lifecycle.Delivery.ENDED:
         return Skipped(job)
     if delivery is lifecycle.Delivery.REDELIVERED:
-        if job.owner == incarnation or store.hosts.owner_is_live(job):
+        if job.owner == incarnation or _owner_lives(store, job):
             extra = {"job_id": job_id, "runner": runner_id}
             log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
             return Skipped(job)
         job = store.jobs.requeue(job_id, only_from=job.owner) or job
     return Prepared(job, state)
+
+
+def _owner_lives(store: Store, job: JobRecord) -> bool:
+    """Whether the worker incarnation holding a running job beats, or beats again within
+    OWNER_BEAT_WAIT_S when its host has no heartbeat at all (not when another incarnation
+    beats there: that worker was restarted)."""
+    deadline = time.monotonic() + OWNER_BEAT_WAIT_S
+    while not store.hosts.owner_is_live(job):
+        silent = job.host is not None and store.hosts.get(job.host) is None
+        if not silent or time.monotonic() >= deadline:
+            return False
+        time.sleep(OWNER_BEAT_POLL_S)
+    return True
 
 
 def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Attempt | None:

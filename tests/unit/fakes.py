@@ -20,6 +20,7 @@ from config.settings import Settings
 from exo_tasks import lifecycle
 from exo_tasks.commands import RunnerCommand, SubmitJob, SupervisorRequest
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
+from exo_tasks.recovery import host_of
 from exo_tasks.store import Store
 from exo_tasks.types import (
     DoneEvent,
@@ -235,6 +236,10 @@ class FakeHosts:
 
     def owner_is_live(self, job: JobRecord) -> bool:
         return job.owner is None or job.owner in self.live_owners
+
+    def get(self, host: str) -> str | None:
+        """A host's heartbeat (here its name) while an incarnation of it beats."""
+        return host if any(host_of(owner) == host for owner in self.live_owners) else None
 
     def send_to_supervisor(self, host: str, request: SupervisorRequest) -> None:
         self.to_supervisors.append((host, request))

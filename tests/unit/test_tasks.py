@@ -92,12 +92,42 @@ class TestPrepare:
         assert tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION) == tasks.Skipped(job)
         assert store.jobs.records[job.id] == job
 
-    def test_a_job_running_on_a_dead_worker_is_requeued_and_run(self, store: FakeStore) -> None:
+    def test_a_job_running_on_a_dead_worker_is_requeued_and_run(
+        self, store: FakeStore, clock: FakeClock
+    ) -> None:
+        """Its host silent: given two beats to show it lives, then taken for gone."""
         job = store.jobs.add(running_elsewhere("other:1:1"))
         prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION)
         assert isinstance(prepared, tasks.Prepared)
         assert (prepared.job.status, prepared.job.attempts) == (RS.QUEUED, 1)
         assert prepared.runner == store.runners.states[RUNNER_ID]
+        assert clock.now - clock.START >= tasks.OWNER_BEAT_WAIT_S
+
+    def test_a_job_whose_worker_was_restarted_is_requeued_at_once(
+        self, store: FakeStore, clock: FakeClock
+    ) -> None:
+        store.hosts.live_owners.add("other:2:2")  # another incarnation beats on its host
+        job = store.jobs.add(running_elsewhere("other:1:1"))
+        prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION)
+        assert isinstance(prepared, tasks.Prepared) and prepared.job.attempts == 1
+        assert clock.now == clock.START
+
+    def test_a_job_whose_silent_worker_beats_again_is_left_alone(
+        self, store: FakeStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Redis down longer than the heartbeat's TTL, seen from another worker: the holder's
+        kombu gave its message back as it reconnected, and it reached this worker a beat before
+        the holder's next heartbeat. The job runs there all along."""
+        job = store.jobs.add(running_elsewhere("other:1:1"))
+        beats_from = clock.now + 1.5
+
+        def beats(host: str) -> str | None:
+            return host if clock.now >= beats_from else None
+
+        monkeypatch.setattr(store.hosts, "get", beats)
+        monkeypatch.setattr(store.hosts, "owner_is_live", lambda job: beats("other") is not None)
+        assert tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION) == tasks.Skipped(job)
+        assert store.jobs.records[job.id] == job
 
     def test_a_queued_job_is_prepared_with_its_runner(self, store: FakeStore) -> None:
         job = store.jobs.add(new_job())
