@@ -329,8 +329,9 @@ class RunnerSupervisor:
             thread.join()
         # The worker exits after its ranks' exits are settled: a rank whose record still says
         # it runs would hold its instance short of Shutdown or Failed, with no one to move it.
+        settled_by = time.monotonic() + SETTLE_WAIT_S
         for thread in list(self._settling):
-            thread.join(SETTLE_WAIT_S)
+            thread.join(max(0.0, settled_by - time.monotonic()))
         if warm or not any(h.process for h in self.handles.values()):
             self._closing.set()
             self.on_stopped()
