@@ -169,7 +169,9 @@ class RecordedProcess(BaseModel):
         """The process, if it still runs (and is the one recorded)."""
         try:
             process = psutil.Process(self.pid)
-            same = abs(started(process) - self.create_time) < 0.1
+            # A record written by an earlier version holds psutil's create_time.
+            starts = (started(process), process.create_time())
+            same = any(abs(start - self.create_time) < 0.1 for start in starts)
         except psutil.NoSuchProcess:
             return None
         member = Member(self.name, process)

@@ -1,4 +1,5 @@
-"""Child processes that cannot outlive the process that started them."""
+"""Child processes that cannot outlive the process that started them, and how a recorded
+process is known again."""
 
 from __future__ import annotations
 

@@ -35,3 +35,10 @@ def test_an_adjusted_wall_clock_does_not_make_a_running_process_gone(
     booted = _pslinux.boot_time()
     monkeypatch.setattr(_pslinux, "boot_time", lambda: booted + 1.0)
     assert record.member() is not None
+
+
+def test_a_stack_recorded_by_an_earlier_version_is_found_again() -> None:
+    """Its record holds psutil's create_time: `down` still stops that stack after an upgrade."""
+    process = psutil.Process(os.getpid())
+    record = RecordedProcess(name="launcher", pid=process.pid, create_time=process.create_time())
+    assert record.member() is not None
