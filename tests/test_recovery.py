@@ -160,7 +160,9 @@ def test_a_worker_restarted_at_once_requeues_its_previous_incarnations_jobs_at_o
             if event.event == "requeued"
         ]
         assert requeued_ms / 1000 - killed < HEARTBEAT_TTL_S
-    assert again.log_text().count("job requeued: its worker on this host was restarted") == len(ids)
+    # By its start's recovery, or (a job its old heartbeat did not list yet: killed a moment
+    # after the hand-over) by the delivery of its message, which the start gave back.
+    assert again.log_text().count("job requeued: its worker") == len(ids)
 
 
 def test_a_queued_job_whose_message_was_lost_is_sent_again_exactly_once(stack: Stack) -> None:

@@ -218,7 +218,11 @@ def _prepare(store: Store, job_id: str, runner_id: str, incarnation: str) -> Pre
             extra = {"job_id": job_id, "runner": runner_id}
             log.warning("job runs on a live worker; duplicate message dropped", extra=extra)
             return Skipped(job)
-        job = store.jobs.requeue(job_id, only_from=job.owner) or job
+        requeued = store.jobs.requeue(job_id, only_from=job.owner)
+        if requeued is not None:
+            gone = {"job_id": job_id, "owner": job.owner}
+            log.warning("job requeued: its worker is gone; this delivery runs it", extra=gone)
+        job = requeued or job
     return Prepared(job, state)
 
 
