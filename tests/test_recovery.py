@@ -148,21 +148,21 @@ def test_a_worker_restarted_at_once_requeues_its_previous_incarnations_jobs_at_o
     killed = time.time()
     worker.process.send_signal(signal.SIGKILL)
     worker.process.wait(timeout=5)
-    again = new_worker(stack, processes, tiny_model, tmp_path, host)  # heartbeat not expired
+    new_worker(stack, processes, tiny_model, tmp_path, host)  # heartbeat not expired
     for job_id in ids:
         job = stack.api.wait_job(job_id, timeout_s=60)
         assert job["status"] == "succeeded" and job["attempts"] == 1
         # The requeue itself (its event's stream id is Redis's clock, in ms), not the model's
-        # load or the jobs after it: by the new worker, before the old heartbeat could expire.
+        # load or the jobs after it: before the old heartbeat could expire. Three paths may
+        # take a job there first, each logged where it runs: the new worker's start, the
+        # recovery loop (another worker's: the host's heartbeat names the new incarnation), or
+        # the delivery of its message, which the start gave back.
         [requeued_ms] = [
             int(entry.split("-")[0])
             for entry, event in stack.store.streams.read_events(job_id)
             if event.event == "requeued"
         ]
         assert requeued_ms / 1000 - killed < HEARTBEAT_TTL_S
-    # By its start's recovery, or (a job its old heartbeat did not list yet: killed a moment
-    # after the hand-over) by the delivery of its message, which the start gave back.
-    assert again.log_text().count("job requeued: its worker") == len(ids)
 
 
 def test_a_queued_job_whose_message_was_lost_is_sent_again_exactly_once(stack: Stack) -> None:
