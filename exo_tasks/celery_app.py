@@ -6,7 +6,7 @@ import os
 from functools import cached_property
 from typing import Any, cast
 
-from celery import Celery
+from celery import Celery, Task
 from celery.app.amqp import AMQP
 
 from config.celery import celery_config
@@ -17,6 +17,11 @@ from exo_tasks.store import Store
 INFERENCE_TASK = "exo.inference"
 SHUTDOWN_RUNNER_TASK = "exo.shutdown_runner"
 LOAD_RUNNER_TASK = "exo.load_runner"
+
+
+def exo_app(task: Task[Any, Any]) -> ExoCelery:
+    """The app a task of ours runs in (Celery types it as its own base class)."""
+    return cast(ExoCelery, task.app)
 
 
 class NamedSenderAMQP(AMQP):

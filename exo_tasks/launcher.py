@@ -169,9 +169,10 @@ class RecordedProcess(BaseModel):
         """The process, if it still runs (and is the one recorded)."""
         try:
             process = psutil.Process(self.pid)
+            recorded = self.create_time
             # A record written by an earlier version holds psutil's create_time.
-            starts = (started(process), process.create_time())
-            same = any(abs(start - self.create_time) < 0.1 for start in starts)
+            same = abs(started(process) - recorded) < 0.1
+            same = same or abs(process.create_time() - recorded) < 0.1
         except psutil.NoSuchProcess:
             return None
         member = Member(self.name, process)

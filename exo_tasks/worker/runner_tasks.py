@@ -5,20 +5,16 @@ status."""
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any
 
 from celery import Task, shared_task
 
-from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK, ExoCelery
+from exo_tasks.celery_app import LOAD_RUNNER_TASK, SHUTDOWN_RUNNER_TASK, exo_app
 from exo_tasks.commands import StartRunnerRequest, StopRunner, StopRunnerRequest
 from exo_tasks.errors import RunnerGone
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.store import Store
 from exo_tasks.worker.supervision import KILL_WAIT_S, TERM_WAIT_S
-
-
-def _app(task: Task[Any, Any]) -> ExoCelery:
-    return cast(ExoCelery, task.app)
 
 
 @shared_task(name=SHUTDOWN_RUNNER_TASK, bind=True)
@@ -27,7 +23,7 @@ def shutdown_runner(
 ) -> dict[str, Any]:
     """Ask this host's supervisor to stop a runner (the process `pid`, when given); wait
     (bounded) until it has stopped, or turns out to be another process (the request is stale)."""
-    app = _app(self)
+    app = exo_app(self)
     command = StopRunner.model_validate({"mode": mode, "timeout_s": timeout_s})
     app.store.hosts.send_to_supervisor(
         app.settings.hostname, StopRunnerRequest(runner_id=runner_id, command=command, pid=pid)
@@ -44,7 +40,7 @@ def shutdown_runner(
 @shared_task(name=LOAD_RUNNER_TASK, bind=True)
 def load_runner(self: Task[Any, Any], runner_id: str) -> dict[str, Any]:
     """Ask this host's supervisor to start a stopped runner; wait until it takes jobs."""
-    app = _app(self)
+    app = exo_app(self)
     app.store.hosts.send_to_supervisor(
         app.settings.hostname, StartRunnerRequest(runner_id=runner_id)
     )

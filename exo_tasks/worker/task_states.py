@@ -12,14 +12,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import redis
 from celery import Task, states
 from celery.exceptions import Ignore
 from kombu.exceptions import KombuError
 
-from exo_tasks.celery_app import ExoCelery
+from exo_tasks.celery_app import exo_app
 from exo_tasks.store import Store
 from exo_tasks.types import JobEnding, JobRecord, JobStatus
 from exo_tasks.worker import soft_limit
@@ -129,7 +129,7 @@ def _seconds(limit_s: float | None) -> str:
 
 
 def _revoked(task: Task[Any, Any], job: JobEnding, max_tokens: int | None) -> None:
-    store = cast(ExoCelery, task.app).store
+    store = exo_app(task).store
     send = functools.partial(_send, task)
     announce_revoked(store, task.backend, job, max_tokens, send, request=task.request)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import redis
 from billiard.einfo import ExceptionInfo
@@ -18,7 +18,7 @@ from celery.signals import task_failure
 from exo_tasks import jobs, lifecycle, limits, prefix_routing
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
-    ExoCelery,
+    exo_app,
 )
 from exo_tasks.commands import (
     CancelJob,
@@ -61,7 +61,7 @@ class InferenceTask(Task):  # type: ignore[type-arg]
     ) -> None:
         # A hard time limit kills the pool child; Celery then calls this in the main process.
         if isinstance(exc, TimeLimitExceeded):
-            app = cast(ExoCelery, self.app)
+            app = exo_app(self)
             job = app.store.jobs.get(task_id)
             app.store.jobs.fail(task_id, f"hard time limit exceeded ({exc.args[0]}s)")
             if job is not None and job.runner_id is not None:
@@ -85,11 +85,7 @@ def _time_out_a_task_cut_before_its_body(
         return
     causes = [exception, *getattr(exception, "args", ())]
     if any(isinstance(cause, SoftTimeLimitExceeded) for cause in causes):
-        _time_out(cast(ExoCelery, sender.app).store, task_id)
-
-
-def _app(task: Task[Any, Any]) -> ExoCelery:
-    return cast(ExoCelery, task.app)
+        _time_out(exo_app(sender).store, task_id)
 
 
 @dataclass(frozen=True)
@@ -123,7 +119,7 @@ class Attempt:
 def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     """Run one job on this host's runner for `model`: prepare, hand over, follow. The job
     record holds the result; the task ends as the job did (task_states.finish)."""
-    app = _app(self)
+    app = exo_app(self)
     store = app.store
     runner_id = _runner_for(self, model, app.settings.hostname)
     extra = {"job_id": job_id, "runner": runner_id}
@@ -183,14 +179,14 @@ def _routed_here(task: Task[Any, Any], job: JobRecord) -> bool:
 def _remember_prefixes(task: Task[Any, Any], job: JobRecord, final: JobEnding) -> None:
     """A job that succeeded left its prompt and answer in this host's prompt cache: the next
     turn of its conversation is best run here (exo_tasks.prefix_routing)."""
-    settings = _app(task).settings
+    settings = exo_app(task).settings
     if final.status != JobStatus.SUCCEEDED or settings.prefix_routing_ttl_s <= 0:
         return
     digests = prefix_routing.conversation_digests(job.request, final.output.text)
     if not digests:
         return
     try:
-        _app(task).store.hosts.remember_prefixes(
+        exo_app(task).store.hosts.remember_prefixes(
             job.model, digests, settings.hostname, settings.prefix_routing_ttl_s
         )
     except redis.RedisError as exc:  # a hint: the job has succeeded all the same
@@ -242,7 +238,7 @@ def _owner_lives(store: Store, job: JobRecord) -> bool:
 def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Attempt | None:
     """Once the runner takes jobs, mark the job running there and put it in its inbox, with
     its deadlines. None if the job was no longer queued (cancelled meanwhile)."""
-    app = _app(task)
+    app = exo_app(task)
     store, settings, job = app.store, app.settings, prepared.job
     runner = _await_runner(
         store, runner_id, prepared.runner, settings.runner_start_timeout_s, pinned=job.request.host
@@ -272,7 +268,7 @@ def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Atte
 
 def _limits(task: Task[Any, Any], job: JobRecord) -> limits.JobLimits:
     """The limits the message carries (Celery enforces those), else the job's own."""
-    own = limits.job_limits(job.request.timeout_s, _app(task).settings)
+    own = limits.job_limits(job.request.timeout_s, exo_app(task).settings)
     hard_limit, soft_limit = task.request.timelimit or (None, None)
     return limits.JobLimits(soft_s=soft_limit or own.soft_s, hard_s=hard_limit or own.hard_s)
 
