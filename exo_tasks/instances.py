@@ -95,7 +95,13 @@ HostName = Annotated[str, StringConstraints(min_length=1, max_length=253, patter
 class InstanceRequest(WireModel):
     """POST /v1/instances, and each entry of EXO_INSTANCES."""
 
-    model: str = Field(min_length=1, max_length=1024, description="A model path, hub id or slug.")
+    # No control character: a NUL made the path checks raise (500).
+    model: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="A model path, hub id or slug.",
+    )
     hosts: Annotated[list[HostName], AfterValidator(_unique)] = Field(
         min_length=2, max_length=64, description="The hosts in rank order: rank 0 first."
     )

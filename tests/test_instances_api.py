@@ -76,6 +76,8 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
         ({"model": "org/no hub id", "hosts": XY}, 404, "model", "unknown model 'org/no hub id'"),
         # A home directory of a user this host does not have (found by tests/chaos/test_fuzz).
         ({"model": "~0", "hosts": XY}, 404, "model", "unknown model '~0'"),
+        # A NUL made the path checks raise: 500 (found by tests/chaos/test_fuzz).
+        ({"model": "a\x00b", "hosts": XY}, 422, "model", "should match pattern"),
         ({"hosts": ["fleet-x", "ghost"]}, 404, "hosts", "no live worker on host 'ghost'"),
         ({"hosts": ["fleet-x", "fleet-x"]}, 422, "hosts", "'fleet-x' is listed twice"),
         ({"hosts": ["fleet-x"]}, 422, "hosts", "at least 2"),
@@ -89,6 +91,7 @@ def test_an_instance_is_placed_once_and_shows_each_rank(
         "unknown-model",
         "invalid-hub-id",
         "unknown-user-home",
+        "control-character",
         "dead-host",
         "duplicate-hosts",
         "one-host",
