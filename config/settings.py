@@ -133,6 +133,14 @@ class Settings(BaseSettings):
         "for the prefill stall limit, so a long prompt is work, not a hang. On the CPU, while "
         "jobs decode, a step prefills only for about as long as a decode step (fewer tokens).",
     )
+    prefill_process_min_tokens: int = Field(
+        0,
+        ge=0,
+        description="On the CPU: a prompt with at least this many tokens left to compute is "
+        "prefilled by a process of its own beside the runner (a second copy of the model in "
+        "memory), so jobs decoding meanwhile are not held up by it; 0: off, the runner's steps "
+        "prefill every prompt between decode steps.",
+    )
     prompt_cache_bytes: int = Field(
         1 << 30,
         ge=0,

@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mlx_lm import load, stream_generate
+from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 from exo_tasks.runner import sampling
 from exo_tasks.runner.engine import BatchEngine
 from exo_tasks.types import ChatMessage, SamplingParams
-from tests.support.engine import Run
+from tests.support.engine import Run, alone
 
 PROMPTS = [
     "Hello",
@@ -42,13 +42,6 @@ def engine(loaded: tuple[Any, Any], request: pytest.FixtureRequest) -> Iterator[
     engine = BatchEngine(*loaded, lanes=lanes, prefill_token_budget=budget)
     yield engine
     engine.close()
-
-
-def alone(loaded: tuple[Any, Any], prompt: str, max_tokens: int) -> tuple[str, int]:
-    """Text and token count (EOS included) of mlx-lm's own single-request generation."""
-    model, tokenizer = loaded
-    responses = list(stream_generate(model, tokenizer, tokenizer.encode(prompt), max_tokens))
-    return "".join(r.text for r in responses), responses[-1].generation_tokens
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["together", "late_joiners"])

@@ -7,9 +7,12 @@
   token cap for certain refused there.
 - `active_job`, `outbox`, `step_writer`: a job in the batch, what the runner owes Redis, and
   the thread that writes each step's share of it.
-- `engine`, `lane`, `lane_threads`: continuous batching over mlx-lm's `BatchGenerator`.
+- `engine`, `lane`, `lane_threads`: continuous batching over mlx-lm's `BatchGenerator`;
+  `prefill_pace`, `prefiller`: on the CPU, prefill beside decoding jobs (paced in time, or in a
+  process of its own).
 - `sampling`, `prompt_cache`, `toolcalls`, `keep_alive`: a job's own sampling, the prompt
-  cache, tool calls out of streamed text, when an idle runner unloads.
+  cache, its prompt through the chat template and tool calls out of its text, when an idle
+  runner unloads.
 - `rank`, `ring`, `schedule`: a rank of an instance (its ring over `mx.distributed`, its
   shard, the loop of a rank other than 0) and rank 0's schedule, shared with the others.
 
@@ -28,6 +31,8 @@ __all__ = [
     "loop",
     "main",
     "outbox",
+    "prefill_pace",
+    "prefiller",
     "process",
     "prompt_cache",
     "rank",

@@ -23,11 +23,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 from tokenizers import Tokenizer
 
-from exo_tasks.runner import prefill_pace, sampling
+from exo_tasks.runner import prefill_pace, sampling, toolcalls
 from exo_tasks.runner.lane import Advance, EngineFinish, Lane, LaneJob, TokenDelta
 from exo_tasks.runner.lane_threads import LaneThread, run_here
+from exo_tasks.runner.prefiller import Prefiller
 from exo_tasks.runner.prompt_cache import PromptCache
-from exo_tasks.runner.toolcalls import ToolCallSplitter, template_message
 from exo_tasks.types import ChatMessage, SamplingParams
 from exo_tasks.wire import TokenLogprob, Tool, ToolCall
 
@@ -80,8 +80,10 @@ class BatchEngine:
         prefill_token_budget: int | None = None,
         lanes: int | None = None,
         prompt_cache_bytes: int = 0,
+        prefill_process: Prefiller | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._prefiller = prefill_process
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._eos_ids = frozenset[int](tokenizer.eos_token_ids)
         # Stop-sequence automata are immutable (each request gets its own matcher): share them.
@@ -105,6 +107,8 @@ class BatchEngine:
             )
             for submit in submits
         ]
+        for lane in self._lanes:
+            lane.offload = prefill_process.takes if prefill_process else None
         self._where: dict[str, Lane] = {}  # job id -> its lane
         self._samplers = sampling.Samplers()
         self._vocab_size = len(tokenizer.get_vocab())
@@ -172,17 +176,7 @@ class BatchEngine:
     ) -> list[int]:
         """Prompt tokens for a raw prompt, or for chat messages (and the tools the model may
         call) through the chat template."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        if prompt is not None:
-            return list(self._tokenizer.encode(prompt))
-        if tools and not self.tool_calling:
-            raise ValueError("tools: the model's chat template has no tool support")
-        chat = [template_message(m) for m in messages or []]
-        specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-        return list(
-            self._tokenizer.apply_chat_template(chat, tools=specs, add_generation_prompt=True)
-        )
+        return toolcalls.encode(self._tokenizer, prompt, messages, tools)
 
     def add(self, job_id: str, prompt_tokens: list[int], params: SamplingParams) -> None:
         """Queue a job; it joins the running batch on a later step."""
@@ -210,19 +204,11 @@ class BatchEngine:
             list(params.stop),
             sampler,
             top,
-            self._tools(params),
+            toolcalls.splitter(self._tokenizer, params),
         )
         lane = self._lane_for_new_job()
         lane.waiting.append(job)  # it joins the generator (and finds its prefix) in a step
         self._where[job_id] = lane
-
-    def _tools(self, params: SamplingParams) -> ToolCallSplitter | None:
-        """What takes the job's tool calls out of its text, if it gave tools to call."""
-        if not (params.parses_tool_calls and self.tool_calling):
-            return None
-        t = self._tokenizer
-        specs = [tool.model_dump(exclude_none=True) for tool in params.tools or []]
-        return ToolCallSplitter(t.tool_call_start, t.tool_call_end, t.tool_parser, specs)
 
     def _lane_for_new_job(self) -> Lane:
         """The lane with the fewest jobs, of the busy ones until each holds LANE_MIN_JOBS."""
@@ -236,6 +222,8 @@ class BatchEngine:
         lane = self._where.pop(job_id, None)
         if lane is None:
             return
+        if self._prefiller is not None:
+            self._prefiller.cancel(job_id)
         for job in [j for j in (*lane.waiting, *lane.jobs.values()) if j.job_id == job_id]:
             if job.uid is None:
                 lane.waiting.remove(job)
@@ -246,8 +234,21 @@ class BatchEngine:
     def step(self) -> list[TokenDelta]:
         """Run one prefill/decode step of every lane at once; one delta per job that sampled a
         token."""
+        if self._prefiller is not None:
+            self._rejoin(self._prefiller)
         failed = self.admit_waiting()
-        return failed + self.advance(self.prefill_sizes())
+        deltas = failed + self.advance(self.prefill_sizes())
+        if self._prefiller is not None:
+            self._prefill_chunks += self._prefiller.take_chunks()
+        return deltas
+
+    def _rejoin(self, prefiller: Prefiller) -> None:
+        """The jobs the prefill process is done with, back to their lanes, first in line."""
+        for job, path in prefiller.finished(idle=not any(len(lane) for lane in self._lanes)):
+            lane = self._where[job.job_id]
+            if path is not None and (lookup := lane.call(Prefiller.load, path, job)):
+                job.lookup, job.prefilled_elsewhere = lookup, True
+            lane.waiting.appendleft(job)
 
     def admit_waiting(self) -> list[TokenDelta]:
         """A step's first part: let each lane's waiting jobs into its generator; a failure
@@ -395,3 +396,5 @@ class BatchEngine:
         for lane in self._lanes:
             lane.close()
         self._where.clear()
+        if self._prefiller is not None:
+            self._prefiller.close()

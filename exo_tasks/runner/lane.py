@@ -83,6 +83,8 @@ class LaneJob:
     lookup: Lookup | None = None  # its cached prefix, once looked up
     prefill_left: int = 0  # prompt tokens still to prefill, once it has joined the generator
     cached_tokens: int = 0
+    offloaded: bool = False  # sent to the prefill process (once: never again)
+    prefilled_elsewhere: bool = False  # its lookup is the prefill process's state, not a hit
     text: str = ""  # decoded so far, cut before a stop string once one is found
     published: int = 0  # length of the prefix of `text` already handed out
     tokens: int = 0
@@ -147,6 +149,8 @@ class Lane:
         self.waiting: deque[LaneJob] = deque()  # not yet in it
         self.prefilling: set[int] = set()  # uids still in prefill
         self.pace = PrefillPace()  # what its steps cost, measured as they run
+        # Takes a job whose prompt has this much left to compute (the prefill process), or not.
+        self.offload: Callable[[LaneJob, list[int]], bool] | None = None
         self._make = functools.partial(
             BatchGenerator,
             model,
@@ -181,6 +185,8 @@ class Lane:
             try:
                 # Looked up once: kept while the job waits for the budget (still a valid prefix).
                 lookup = job.lookup = job.lookup or self.call(cache.fetch, job.prompt)
+                if self._offloads(job, lookup.rest):
+                    continue
                 if not self._within_budget(len(lookup.rest)):
                     held.append(job)
                     break
@@ -193,6 +199,13 @@ class Lane:
             computing.append(job)
         self.waiting.extendleft(reversed(held))
         return failed
+
+    def _offloads(self, job: LaneJob, rest: list[int]) -> bool:
+        """Whether the prefill process took the job (it comes back to `waiting` once done)."""
+        if self.offload is None or job.offloaded or not self.offload(job, rest):
+            return False
+        job.offloaded, job.lookup = True, None
+        return True
 
     def _within_budget(self, rest: int) -> bool:
         """Whether a prompt with `rest` tokens to prefill may join the next step: if the step
@@ -225,7 +238,8 @@ class Lane:
             all_tokens=[job.prompt[: lookup.cached_tokens]],
             **job.insert,
         )
-        job.uid, job.cached_tokens, job.prefill_left = uid, lookup.cached_tokens, len(lookup.rest)
+        job.uid, job.prefill_left = uid, len(lookup.rest)
+        job.cached_tokens = 0 if job.prefilled_elsewhere else lookup.cached_tokens
         job.lookup = None  # the generator holds the state now
         return int(uid)
 

@@ -39,6 +39,8 @@ EXIT_CONFIG = 78  # EX_CONFIG
 EXIT_UNLOADED = 3
 # Exit code of a runner that exits on SIGTERM without stopping in order (128 + SIGTERM).
 EXIT_TERMINATED = 143
+# How long a runner's start waits for its prefill process to load the model, after its own.
+PREFILLER_LOAD_S = 60.0
 
 
 class ConfigError(Exception):
@@ -77,6 +79,7 @@ class RunnerSpec(BaseModel):
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 256
+    prefill_process_min_tokens: int = 0  # EXO_PREFILL_PROCESS_MIN_TOKENS; 0: off
     prompt_cache_bytes: int = 1 << 30  # EXO_PROMPT_CACHE_BYTES
     lanes: int | None = None  # None: the engine's default for the device
     idle_unload_s: float | None = None  # None: stay loaded while idle
@@ -99,6 +102,7 @@ class RunnerSpec(BaseModel):
             completion_batch_size=settings.completion_batch_size,
             prefill_batch_size=settings.prefill_batch_size,
             prefill_step_size=settings.prefill_step_size,
+            prefill_process_min_tokens=settings.prefill_process_min_tokens,
             prompt_cache_bytes=settings.prompt_cache_bytes,
             lanes=settings.runner_lanes,
             idle_unload_s=settings.runner_idle_unload_s,
@@ -210,19 +214,31 @@ def check_model_path(model: str) -> None:
 
 
 def load_engine(spec: RunnerSpec) -> Engine:
-    """Load the spec's model into a batching engine (not yet warmed up)."""
+    """Load the spec's model into a batching engine (not yet warmed up), and into its prefill
+    process (EXO_PREFILL_PROCESS_MIN_TOKENS) at the same time."""
     import mlx_lm
 
     from exo_tasks.runner.engine import BatchEngine
+    from exo_tasks.runner.prefiller import Prefiller
 
     check_model_path(spec.model_path)
-    loaded = mlx_lm.load(spec.model_path)
-    return BatchEngine(
-        loaded[0],
-        loaded[1],
-        completion_batch_size=spec.completion_batch_size,
-        prefill_batch_size=spec.prefill_batch_size,
-        prefill_step_size=spec.prefill_step_size,
-        lanes=spec.lanes,
-        prompt_cache_bytes=spec.prompt_cache_bytes,
-    )
+    minimum, step = spec.prefill_process_min_tokens, spec.prefill_step_size
+    prefiller = Prefiller(spec.model_path, minimum, step) if minimum else None
+    try:
+        loaded = mlx_lm.load(spec.model_path)
+        if prefiller is not None and not prefiller.wait_ready(PREFILLER_LOAD_S):
+            log.error("the prefill process did not load the model; lanes prefill every prompt")
+        return BatchEngine(
+            loaded[0],
+            loaded[1],
+            completion_batch_size=spec.completion_batch_size,
+            prefill_batch_size=spec.prefill_batch_size,
+            prefill_step_size=spec.prefill_step_size,
+            lanes=spec.lanes,
+            prompt_cache_bytes=spec.prompt_cache_bytes,
+            prefill_process=prefiller,
+        )
+    except BaseException:
+        if prefiller is not None:
+            prefiller.close()
+        raise

@@ -1,8 +1,9 @@
-"""Tool calls out of a job's streamed text, as mlx_lm.server finds them: the text between the
-model's tool-call markers (mlx-lm's tokenizer knows them from the chat template) goes to the
-model's tool parser, the rest stays text.
+"""The chat template's side of a job: its messages and tools in as prompt tokens, and tool calls
+out of its streamed text, as mlx_lm.server finds them: the text between the model's tool-call
+markers (mlx-lm's tokenizer knows them from the chat template) goes to the model's tool parser,
+the rest stays text.
 
-Pure: the parser is handed in, so this imports no MLX.
+Pure: the tokenizer and the parser are handed in, so this imports no MLX.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from exo_tasks.types import ChatMessage
-from exo_tasks.wire import ToolCall, ToolCallFunction
+from exo_tasks.types import ChatMessage, SamplingParams
+from exo_tasks.wire import Tool, ToolCall, ToolCallFunction
 
 ToolParser = Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools)
 log = logging.getLogger("exo_tasks.toolcalls")
@@ -88,7 +89,35 @@ def _tool_call(call: dict[str, Any]) -> ToolCall:
     )
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
+def encode(
+    tokenizer: Any,  # mlx-lm's TokenizerWrapper
+    prompt: str | None,
+    messages: list[ChatMessage] | None,
+    tools: list[Tool] | None,
+) -> list[int]:
+    """Prompt tokens for a raw prompt, or for chat messages (and the tools the model may call)
+    through the chat template."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of 'prompt' or 'messages'")
+    if prompt is not None:
+        return list(tokenizer.encode(prompt))
+    if tools and not tokenizer.has_tool_calling:
+        raise ValueError("tools: the model's chat template has no tool support")
+    chat = [_template_message(m) for m in messages or []]
+    specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    return list(tokenizer.apply_chat_template(chat, tools=specs, add_generation_prompt=True))
+
+
+def splitter(tokenizer: Any, params: SamplingParams) -> ToolCallSplitter | None:
+    """What takes a job's tool calls out of its text, if it gave tools to call."""
+    if not (params.parses_tool_calls and tokenizer.has_tool_calling):
+        return None
+    specs = [tool.model_dump(exclude_none=True) for tool in params.tools or []]
+    t = tokenizer
+    return ToolCallSplitter(t.tool_call_start, t.tool_call_end, t.tool_parser, specs)
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it: a tool call's arguments as an object, as
     mlx_lm.server gives them."""
     out = message.model_dump(exclude_none=True)

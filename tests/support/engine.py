@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_lm import stream_generate
+
 from exo_tasks.runner.engine import BatchEngine
 from exo_tasks.runner.lane import TokenDelta
 from exo_tasks.types import SamplingParams
+
+
+def alone(loaded: tuple[Any, Any], prompt: str, max_tokens: int) -> tuple[str, int]:
+    """Text and token count (EOS included) of mlx-lm's own single-request generation."""
+    model, tokenizer = loaded
+    responses = list(stream_generate(model, tokenizer, tokenizer.encode(prompt), max_tokens))
+    return "".join(r.text for r in responses), responses[-1].generation_tokens
 
 
 class Run:

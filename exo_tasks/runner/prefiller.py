@@ -1,0 +1,284 @@
+"""Long prompts prefilled in a process of their own, beside the runner's decoding batch
+(EXO_PREFILL_PROCESS_MIN_TOKENS; off by default).
+
+On the CPU a prompt token late in a long prompt costs more than a decode step: with the `bench`
+model on 2 cores, one forward pass of a single token at position 6,900 takes 186 ms (attention
+over the cache) against 147 ms for a decode step of 4 jobs, so however a lane's steps share
+their time between decoding and prefill (`exo_tasks.runner.prefill_pace`), a decoding job waits
+more than twice its usual gap behind a 7,000-token prompt, or the prompt crawls. Two threads of
+one process are no way out either: a thread decoding beside another prefilling slowed to
+1.6-1.9 s a step (MLX, measured), where two processes ran as fast side by side as alone (a
+decode step 164 ms against 162, prefill 62.7 tokens/s against 63.3). So a prompt whose part to
+compute is long enough goes to this process, which holds a copy of the model (its memory, once
+more), computes the prompt's KV state but for its last token and hands it back through a file;
+the job then joins its lane as a prompt cache hit would, and the lane computes one token.
+
+Nothing is lost on the way: a prompt the process could not do (it failed, or is gone) is
+prefilled by its lane as before. The process reads its requests on stdin; when the runner
+exits, however it exits, stdin ends and so does the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from exo_tasks.runner.prompt_cache import Lookup
+
+log = logging.getLogger("exo_tasks.runner.prefiller")
+# How long the runner's step waits for the process when it has nothing else to do.
+IDLE_WAIT_S = 0.2
+CLOSE_WAIT_S = 5.0
+
+
+class Ready(BaseModel):
+    kind: Literal["ready"] = "ready"  # the model is loaded
+
+
+class Prefill(BaseModel):
+    kind: Literal["prefill"] = "prefill"
+    job_id: str
+    tokens: list[int]  # the prompt but its last token
+
+
+class Cancel(BaseModel):
+    kind: Literal["cancel"] = "cancel"
+    job_id: str
+
+
+class Progress(BaseModel):
+    kind: Literal["progress"] = "progress"
+    job_id: str
+    done: int
+    total: int
+
+
+class Done(BaseModel):
+    kind: Literal["done"] = "done"
+    job_id: str
+    path: str  # the KV state, mlx-lm's prompt cache file
+
+
+class Failed(BaseModel):
+    kind: Literal["failed"] = "failed"
+    job_id: str
+    error: str
+
+
+Request = Annotated[Prefill | Cancel, Field(discriminator="kind")]
+Reply = Annotated[Ready | Progress | Done | Failed, Field(discriminator="kind")]
+_requests: TypeAdapter[Prefill | Cancel] = TypeAdapter(Request)
+_replies: TypeAdapter[Ready | Progress | Done | Failed] = TypeAdapter(Reply)
+
+
+class Prefiller:
+    """The runner's side: the process, the jobs it holds, what it has sent back."""
+
+    def __init__(self, model_path: str, min_tokens: int, step_size: int) -> None:
+        self.min_tokens = min_tokens
+        # Files in RAM where there is a RAM file system: a 7,000-token state is ~60 MB.
+        shm = Path("/dev/shm")
+        self._dir = Path(tempfile.mkdtemp(prefix="exo-prefill-", dir=shm if shm.is_dir() else None))
+        command = [sys.executable, "-m", __name__, model_path, str(self._dir), str(step_size)]
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._replies: queue.SimpleQueue[Ready | Progress | Done | Failed | None] = (
+            queue.SimpleQueue()
+        )
+        self._jobs: dict[str, Any] = {}  # job id -> the engine's job, while the process has it
+        self._alive = True
+        self._ready = False
+        self._chunks = 0
+        assert self._process.stdout is not None
+        threading.Thread(
+            target=_read_replies, args=(self._process.stdout, self._replies), daemon=True
+        ).start()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the process has loaded the model (False: it could not, or not in time;
+        the lanes prefill every prompt until it can)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready and self._alive and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(queue.Empty):
+                self._settle(self._replies.get(timeout=left))
+        return self._ready
+
+    def takes(self, job: Any, rest: list[int]) -> bool:
+        """Take `job` if the part of its prompt left to compute is long enough."""
+        if not self._alive or len(rest) < self.min_tokens:
+            return False
+        if not self._send(Prefill(job_id=job.job_id, tokens=job.prompt[:-1])):
+            return False
+        self._jobs[job.job_id] = job
+        log.info("prompt sent to the prefill process", extra={"job_id": job.job_id})
+        return True
+
+    def cancel(self, job_id: str) -> None:
+        if self._jobs.pop(job_id, None) is not None:
+            self._send(Cancel(job_id=job_id))
+
+    def take_chunks(self) -> int:
+        """Chunks computed since the last call: progress for the runner's stall watchdog."""
+        chunks, self._chunks = self._chunks, 0
+        return chunks
+
+    def finished(self, *, idle: bool) -> list[tuple[Any, Path | None]]:
+        """The jobs the process is done with, each with its KV state's file (None: the lane
+        prefills it); `idle`: the engine has nothing else to do, so wait a moment for one
+        rather than spin."""
+        done: list[tuple[Any, Path | None]] = []
+        wait_s = IDLE_WAIT_S if idle and self._jobs else 0.0
+        with contextlib.suppress(queue.Empty):
+            reply = self._replies.get(timeout=wait_s) if wait_s else self._replies.get_nowait()
+            while True:
+                done += self._settle(reply)
+                reply = self._replies.get_nowait()
+        return done
+
+    def _settle(
+        self, reply: Ready | Progress | Done | Failed | None
+    ) -> list[tuple[Any, Path | None]]:
+        if reply is None:  # the process is gone: the lanes prefill its prompts
+            if self._alive:
+                log.error("the prefill process exited; lanes prefill its prompts")
+            self._alive = False
+            jobs, self._jobs = list(self._jobs.values()), {}
+            return [(job, None) for job in jobs]
+        if isinstance(reply, Ready | Progress):
+            self._ready = self._ready or isinstance(reply, Ready)
+            self._chunks += isinstance(reply, Progress)
+            return []
+        job = self._jobs.pop(reply.job_id, None)
+        path = Path(reply.path) if isinstance(reply, Done) else None
+        if isinstance(reply, Failed):
+            log.error(
+                "the prefill process failed a prompt; its lane prefills it",
+                extra={"job_id": reply.job_id, "error": reply.error},
+            )
+        if job is None:  # cancelled meanwhile
+            if path is not None:
+                path.unlink(missing_ok=True)
+            return []
+        return [(job, path)]
+
+    def _send(self, request: Prefill | Cancel) -> bool:
+        stdin = self._process.stdin
+        assert stdin is not None
+        try:
+            stdin.write(request.model_dump_json().encode() + b"\n")
+            stdin.flush()
+        except (BrokenPipeError, ValueError):  # gone; its reader says so to `finished`
+            self._alive = False
+            return False
+        return True
+
+    @staticmethod
+    def load(path: Path, job: Any) -> Lookup | None:
+        """The process's KV state of the job's prompt (but its last token) as the lookup its
+        lane starts from (None: unreadable, the lane prefills it); the file is removed. Call it
+        on the lane's thread (an MLX stream is its thread's)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import load_prompt_cache
+
+        try:
+            cache = load_prompt_cache(str(path))  # type: ignore[no-untyped-call]
+            mx.eval([c.state for c in cache])
+        except Exception:
+            log.exception("a prefilled state was unreadable", extra={"job_id": job.job_id})
+            return None
+        finally:
+            path.unlink(missing_ok=True)
+        return Lookup(cache, job.prompt[-1:], len(job.prompt) - 1)
+
+    def close(self) -> None:
+        """Stop the process (its stdin ends: it exits) and remove its files."""
+        with contextlib.suppress(OSError, ValueError):
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+        try:
+            self._process.wait(CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _read_replies(stdout: IO[bytes], replies: queue.SimpleQueue[Any]) -> None:
+    for line in stdout:
+        replies.put(_replies.validate_json(line))
+    replies.put(None)
+
+
+# --- the process ---
+
+
+def serve(model_path: str, directory: Path, step_size: int) -> None:
+    """Prefill each prompt asked for, in order, a chunk of `step_size` tokens at a time."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever else prints goes to the log, not into the replies
+    requests: queue.SimpleQueue[Prefill] = queue.SimpleQueue()
+    cancelled: set[str] = set()
+    threading.Thread(target=_read_requests, args=(requests, cancelled), daemon=True).start()
+
+    def reply(message: Ready | Progress | Done | Failed) -> None:
+        replies.write(message.model_dump_json().encode() + b"\n")
+        replies.flush()
+
+    model = mlx_lm.load(model_path)[0]
+    reply(Ready())
+
+    while True:
+        request = requests.get()
+        job_id, tokens = request.job_id, request.tokens
+        try:
+            cache = make_prompt_cache(model)
+            done = 0
+            while done < len(tokens) and job_id not in cancelled:
+                chunk = tokens[done : done + step_size]
+                model(mx.array(chunk)[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                done += len(chunk)
+                reply(Progress(job_id=job_id, done=done, total=len(tokens)))
+            if job_id in cancelled:
+                continue
+            path = directory / f"{uuid.uuid4().hex}.safetensors"
+            save_prompt_cache(str(path), cache)
+            reply(Done(job_id=job_id, path=str(path)))
+        except Exception as exc:  # noqa: BLE001 (the prompt's failure: its lane tries it)
+            reply(Failed(job_id=job_id, error=repr(exc)))
+        finally:
+            cancelled.discard(job_id)
+
+
+def _read_requests(requests: queue.SimpleQueue[Prefill], cancelled: set[str]) -> None:
+    for line in sys.stdin.buffer:
+        request = _requests.validate_json(line)
+        if isinstance(request, Cancel):
+            cancelled.add(request.job_id)
+        else:
+            requests.put(request)
+    os._exit(0)  # the runner is gone (or closed us): now, even mid-chunk
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))

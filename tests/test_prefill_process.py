@@ -1,0 +1,220 @@
+"""Long prompts prefilled in a process of their own (EXO_PREFILL_PROCESS_MIN_TOKENS,
+exo_tasks.runner.prefiller): the engine in process with the `tiny` model and a real prefill
+process, a decoding bystander beside each long prompt. How much it spares the bystander's gaps
+is `make bench`'s (section stallfree)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from mlx_lm import load
+
+from exo_tasks.runner.engine import BatchEngine
+from exo_tasks.runner.prefiller import Prefiller
+from tests.support.engine import Run, alone
+from tests.support.processes import Processes
+from tests.support.stack import Stack
+from tests.support.workers import start_worker, wait_runner_ready
+
+LONG_PROMPT = "".join(f"{i} little pigs; " for i in range(60))  # ~800 tokens
+MIN_TOKENS = 256
+STEP_SIZE = 256
+GONE_WITHIN_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model: Path) -> tuple[Any, Any]:
+    loaded = load(str(tiny_model))
+    return loaded[0], loaded[1]
+
+
+@pytest.fixture
+def prefiller(tiny_model: Path) -> Iterator[Prefiller]:
+    prefiller = Prefiller(str(tiny_model), MIN_TOKENS, STEP_SIZE)
+    assert prefiller.wait_ready(60)
+    yield prefiller
+    prefiller.close()  # it waits for the process (or kills it)
+
+
+@pytest.fixture
+def run(loaded: tuple[Any, Any], prefiller: Prefiller) -> Iterator[Run]:
+    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=32, prefill_process=prefiller)
+    run = Run(engine)
+    run.add("bystander", "bystander", max_tokens=300, ignore_eos=True)
+    while len(run.deltas["bystander"]) < 3:
+        run.step()
+    yield run
+    engine.close()
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _running(process: psutil.Process) -> bool:
+    """Alive, and not a zombie waiting to be reaped (its parent is gone)."""
+    try:
+        status: str = process.status()
+    except psutil.NoSuchProcess:
+        return False
+    return status != str(psutil.STATUS_ZOMBIE)
+
+
+def _loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The jobs whose KV state the engine took from the prefill process."""
+    loaded: list[str] = []
+    load_state = Prefiller.load
+
+    def spy(path: Path, job: Any) -> Any:
+        lookup = load_state(path, job)
+        if lookup is not None:
+            loaded.append(job.job_id)
+        return lookup
+
+    monkeypatch.setattr(Prefiller, "load", staticmethod(spy))
+    return loaded
+
+
+def test_a_long_prompt_is_prefilled_by_its_process_and_both_texts_are_alones(
+    loaded: tuple[Any, Any], run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bystander gets a token at every step while the process computes the prompt; the
+    lane computes only its last token (one step from its return to its first token), and the
+    prompt cache did not give it: its usage counts no cached token."""
+    took = _loads(monkeypatch)
+    run.add("long", LONG_PROMPT, max_tokens=8)
+    back_at = None
+    while not run.deltas["long"]:
+        streamed = len(run.deltas["bystander"])
+        run.step()
+        assert len(run.deltas["bystander"]) == streamed + 1
+        if took and back_at is None:
+            back_at = run.steps
+    assert took == ["long"]
+    assert back_at is not None and run.first_step["long"] - back_at <= 1
+    assert run.deltas["long"][0].cached_tokens == 0
+    run.until_done()
+    assert run.text("long") == alone(loaded, LONG_PROMPT, 8)[0]
+    assert run.text("bystander") == alone(loaded, "bystander", 300)[0]
+
+
+def test_a_short_prompt_stays_with_its_lane(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    took = _loads(monkeypatch)
+    run.add("short", "one little pig", max_tokens=4)
+    run.until_done()
+    assert took == [] and run.last("short").finish_reason == "length"
+
+
+def test_a_prompt_whose_process_died_is_prefilled_by_its_lane(
+    loaded: tuple[Any, Any], run: Run, prefiller: Prefiller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL while the process holds the prompt: nothing is lost, the lane does it, and later
+    long prompts stay with the lanes."""
+    took = _loads(monkeypatch)
+    run.add("long", LONG_PROMPT, max_tokens=8)
+    run.step()  # the lane hands it over
+    _kill(prefiller.pid)
+    run.until_done()
+    assert took == []
+    assert run.text("long") == alone(loaded, LONG_PROMPT, 8)[0]
+    assert run.last("bystander").finish_reason == "length"
+    run.add("again", LONG_PROMPT, max_tokens=8)
+    run.until_done()
+    assert took == [] and run.text("again") == run.text("long")
+
+
+def test_a_job_cancelled_in_the_process_is_dropped_and_its_state_removed(
+    run: Run, prefiller: Prefiller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    took = _loads(monkeypatch)
+    run.add("long", LONG_PROMPT, max_tokens=8)
+    run.step()
+    run.engine.remove("long")
+    run.add("next", LONG_PROMPT + " again", max_tokens=4)  # after it in the process's queue
+    while not run.deltas["next"]:
+        run.step()
+    run.until_done()
+    assert run.deltas["long"] == [] and took == ["next"]
+    assert not list(prefiller._dir.iterdir())
+
+
+def test_the_process_exits_when_its_runner_is_killed(tiny_model: Path) -> None:
+    """However the runner ends (SIGKILL here, mid-prompt), its prefill process goes too."""
+    code = (
+        "import sys, types\n"
+        "from exo_tasks.runner.prefiller import Prefiller\n"
+        f"prefiller = Prefiller({str(tiny_model)!r}, 1, 8)\n"
+        "print(prefiller.pid, flush=True)\n"
+        "job = types.SimpleNamespace(job_id='j', prompt=[7] * 4000)\n"
+        "prefiller.takes(job, job.prompt)\n"
+        "sys.stdin.read()\n"
+    )
+    runner = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    helper = None
+    try:
+        assert runner.stdout is not None
+        helper = psutil.Process(int(runner.stdout.readline()))
+        deadline = time.monotonic() + 30
+        while helper.cpu_times().user < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # loading, then computing
+        runner.kill()
+        runner.wait()
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while _running(helper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(helper), "the prefill process outlived its runner"
+    finally:
+        runner.kill()
+        runner.wait()
+        if helper is not None and _running(helper):
+            helper.kill()  # psutil checks it is still that process
+
+
+def test_a_workers_runner_prefills_long_prompts_in_its_process_and_its_stop_ends_it(
+    loaded: tuple[Any, Any], stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    """EXO_PREFILL_PROCESS_MIN_TOKENS through a real worker: the runner starts its prefill
+    process, a long prompt beside a decoding job goes there and both texts are alone's; the
+    worker's warm stop ends the prefill process with its runner."""
+    worker = start_worker(
+        processes,
+        stack.redis.url,
+        "host-p",
+        [tiny_model],
+        tmp_path,
+        prefill_process_min_tokens=MIN_TOKENS,
+    )
+    state = wait_runner_ready(stack.store, worker)
+    assert state.pid is not None
+    (helper,) = [
+        p
+        for p in psutil.Process(state.pid).children()
+        if "exo_tasks.runner.prefiller" in p.cmdline()
+    ]
+    bystander = stack.api.submit(
+        prompt="bystander", max_tokens=2000, ignore_eos=True, host="host-p"
+    )
+    long = stack.api.submit(prompt=LONG_PROMPT, max_tokens=8, host="host-p")
+    assert stack.api.wait_job(long)["output"]["text"] == alone(loaded, LONG_PROMPT, 8)[0]
+    assert stack.api.wait_job(bystander)["status"] == "succeeded"
+    sent = [line for line in worker.log_text().splitlines() if "prefill process" in line]
+    assert len(sent) == 1 and long in sent[0], sent
+    worker.process.send_signal(signal.SIGTERM)
+    worker.process.wait(60)
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while _running(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(helper), "the prefill process outlived its worker"
