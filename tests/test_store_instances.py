@@ -102,3 +102,30 @@ def test_rank_records_and_addresses_hold_for_one_generation_only(store: Store) -
     assert got is not None and got.ranks == again.ranks and got.ranks[1].pid is None
     assert store.instances.set_rank(record.id, 2, rank1)
     store.instances.remove(record.id)
+
+
+def test_a_rank_record_changed_since_it_was_read_is_not_overwritten(store: Store) -> None:
+    """A supervisor mirrors its rank from a read of the instance; when the rank's exit was
+    settled (Shutdown) between that read and the write, a stale "not running" overwrote it
+    (test_instance_stack, once in CI)."""
+    record = new_instance()
+    store.instances.place(record)
+    running = record.ranks[0].model_copy(update={"pid": 7, "status": RunnerStatus.RUNNING})
+    assert store.instances.set_rank(record.id, 1, running)
+    read = store.instances.get(record.id)
+    assert read is not None
+    shutdown = running.model_copy(update={"pid": None, "status": RunnerStatus.SHUTDOWN})
+    assert store.instances.set_rank(record.id, 1, shutdown)  # the exit, settled meanwhile
+    stale = running.model_copy(
+        update={"pid": None, "status": RunnerStatus.FAILED, "error": "not running"}
+    )
+    assert not store.instances.set_rank(record.id, 1, stale, seen=read.ranks[0].status)
+    got = store.instances.get(record.id)
+    assert got is not None and got.ranks[0] == shutdown
+    # Unchanged since it was read (or never written): written.
+    assert store.instances.set_rank(record.id, 1, stale, seen=RunnerStatus.SHUTDOWN)
+    never_written = record.ranks[1].model_copy(update={"pid": 7})
+    assert store.instances.set_rank(record.id, 1, never_written, seen=RunnerStatus.LOADING)
+    got = store.instances.get(record.id)
+    assert got is not None and got.ranks[0] == stale and got.ranks[1].pid == 7
+    store.instances.remove(record.id)

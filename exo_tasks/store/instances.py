@@ -48,8 +48,22 @@ return 1
 """
 )
 
-# KEYS: the instance's hash, then a hash of its ranks (records or addresses). ARGV: generation,
-# rank, value. Written only while the instance is of that generation.
+# KEYS: the instance's hash, its ranks. Arguments (NAMED_ARGS): `generation`, `rank`, `record`;
+# `seen`, optional: the rank's status as the writer last read it. Written only while the
+# instance is of that generation and, with `seen`, the stored record still has that status.
+SET_RANK = (
+    NAMED_ARGS
+    + """
+if redis.call('HGET', KEYS[1], 'generation') ~= a.generation then return 0 end
+local stored = a.seen and redis.call('HGET', KEYS[2], a.rank)
+if stored and cjson.decode(stored)['status'] ~= a.seen then return 0 end
+redis.call('HSET', KEYS[2], a.rank, a.record)
+return 1
+"""
+)
+
+# KEYS: the instance's hash, then a hash of its ranks' addresses. ARGV: generation, rank,
+# value. Written only while the instance is of that generation.
 SET_IF_GENERATION = """
 if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
@@ -142,11 +156,18 @@ class InstanceRecords(RedisPart):
         pairs = zip(replies[::2], replies[1::2], strict=True)
         return [_with_ranks(raw, ranks) for raw, ranks in pairs if raw]
 
-    def set_rank(self, instance_id: str, generation: int, rank: RankRecord) -> bool:
-        """Update one rank's record; ignored (False) unless the instance is of `generation`."""
+    def set_rank(
+        self, instance_id: str, generation: int, rank: RankRecord, seen: str | None = None
+    ) -> bool:
+        """Update one rank's record; ignored (False) unless the instance is of `generation`
+        and, given `seen` (the rank's status as the caller read it), unless no other writer
+        changed its status since."""
         keys = [instance_key(instance_id), instance_key(instance_id, "ranks")]
-        args = [generation, rank.rank, rank.model_dump_json()]
-        return bool(self.script(SET_IF_GENERATION)(keys=keys, args=args))
+        record = rank.model_dump_json()
+        args = named(generation=generation, rank=rank.rank, record=record)
+        if seen is not None:
+            args += named(seen=seen)
+        return bool(self.script(SET_RANK)(keys=keys, args=args))
 
     def publish_address(
         self, instance_id: str, generation: int, rank: int, address: str, port: int

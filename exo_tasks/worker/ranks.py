@@ -242,7 +242,9 @@ class RankKeeper:
             self._consumed.discard(instance_id)
 
     def _mirror(self, instance: InstanceRecord, rank: int, handle: RunnerHandle | None) -> None:
-        """This host's rank's record, as its runner publishes its state (the one writer)."""
+        """This host's rank's record, as its runner publishes its state: written only if its
+        status is still the one read with `instance`, for the rank's exit may have been settled
+        meanwhile (a stale "not running" overwrote a clean Shutdown)."""
         record = instance.ranks[rank]
         current = handle is not None and handle.spec.rank is not None
         current = current and handle.spec.rank.generation == instance.generation  # type: ignore[union-attr]
@@ -261,15 +263,19 @@ class RankKeeper:
             update = {"pid": None, "status": RunnerStatus.FAILED, "error": "not running"}
         else:
             return
-        self._write_rank(instance, record, update)
+        self._write_rank(instance, record, update, seen=record.status)
 
     def _write_rank(
-        self, instance: InstanceRecord, record: RankRecord, update: Mapping[str, object]
+        self,
+        instance: InstanceRecord,
+        record: RankRecord,
+        update: Mapping[str, object],
+        seen: RunnerStatus | None = None,
     ) -> None:
         changed = record.model_copy(update=update)
         if changed != record:
             changed = changed.model_copy(update={"updated_at": utcnow()})
-            self.store.instances.set_rank(instance.id, instance.generation, changed)
+            self.store.instances.set_rank(instance.id, instance.generation, changed, seen)
 
     def _on_exit(self, handle: RunnerHandle, exitcode: int, cause: str) -> None:
         """The supervisor saw one of our ranks exit (any cause; in a thread of its own). Its
