@@ -32,11 +32,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Annotated, Any, Literal
+from typing import IO, TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from exo_tasks.runner.prompt_cache import Lookup
+
+if TYPE_CHECKING:
+    from exo_tasks.runner.lane import LaneJob
 
 log = logging.getLogger("exo_tasks.runner.prefiller")
 # How long the runner's step waits for the process when it has nothing else to do.
@@ -97,7 +100,7 @@ class Prefiller:
         self._replies: queue.SimpleQueue[Ready | Progress | Done | Failed | None] = (
             queue.SimpleQueue()
         )
-        self._jobs: dict[str, Any] = {}  # job id -> the engine's job, while the process has it
+        self._jobs: dict[str, LaneJob] = {}  # by id, while the process has them
         self._alive = True
         self._ready = False
         self._chunks = 0
@@ -119,7 +122,7 @@ class Prefiller:
                 self._settle(self._replies.get(timeout=left))
         return self._ready
 
-    def takes(self, job: Any, rest: list[int]) -> bool:
+    def takes(self, job: LaneJob, rest: list[int]) -> bool:
         """Take `job` if the part of its prompt left to compute is long enough."""
         if not self._alive or len(rest) < self.min_tokens:
             return False
@@ -138,11 +141,11 @@ class Prefiller:
         chunks, self._chunks = self._chunks, 0
         return chunks
 
-    def finished(self, *, idle: bool) -> list[tuple[Any, Path | None]]:
+    def finished(self, *, idle: bool) -> list[tuple[LaneJob, Path | None]]:
         """The jobs the process is done with, each with its KV state's file (None: the lane
         prefills it); `idle`: the engine has nothing else to do, so wait a moment for one
         rather than spin."""
-        done: list[tuple[Any, Path | None]] = []
+        done: list[tuple[LaneJob, Path | None]] = []
         wait_s = IDLE_WAIT_S if idle and self._jobs else 0.0
         with contextlib.suppress(queue.Empty):
             reply = self._replies.get(timeout=wait_s) if wait_s else self._replies.get_nowait()
@@ -153,7 +156,7 @@ class Prefiller:
 
     def _settle(
         self, reply: Ready | Progress | Done | Failed | None
-    ) -> list[tuple[Any, Path | None]]:
+    ) -> list[tuple[LaneJob, Path | None]]:
         if reply is None:  # the process is gone: the lanes prefill its prompts
             if self._alive:
                 log.error("the prefill process exited; lanes prefill its prompts")
@@ -189,7 +192,7 @@ class Prefiller:
         return True
 
     @staticmethod
-    def load(path: Path, job: Any) -> Lookup | None:
+    def load(path: Path, job: LaneJob) -> Lookup | None:
         """The process's KV state of the job's prompt (but its last token) as the lookup its
         lane starts from (None: unreadable, the lane prefills it); the file is removed. Call it
         on the lane's thread (an MLX stream is its thread's)."""
@@ -221,7 +224,12 @@ class Prefiller:
 
 def _read_replies(stdout: IO[bytes], replies: queue.SimpleQueue[Any]) -> None:
     for line in stdout:
-        replies.put(_replies.validate_json(line))
+        try:
+            replies.put(_replies.validate_json(line))
+        except ValidationError:  # not ours (a library's print): the replies go on
+            log.warning(
+                "the prefill process wrote a line that is no reply", extra={"line": line[:200]}
+            )
     replies.put(None)
 
 
@@ -230,12 +238,12 @@ def _read_replies(stdout: IO[bytes], replies: queue.SimpleQueue[Any]) -> None:
 
 def serve(model_path: str, directory: Path, step_size: int) -> None:
     """Prefill each prompt asked for, in order, a chunk of `step_size` tokens at a time."""
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever else prints goes to the log, not into the replies
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever else prints goes to the log, not into the replies
     requests: queue.SimpleQueue[Prefill] = queue.SimpleQueue()
     cancelled: set[str] = set()
     threading.Thread(target=_read_requests, args=(requests, cancelled), daemon=True).start()
