@@ -59,7 +59,7 @@ E2E_LATENCY = Metric(
 QUEUE_TIME = Metric(
     "exo_request_queue_time_seconds",
     "histogram",
-    "Time a job waited from submission until a runner started it.",
+    "Time a job waited from submission until its task handed it to a runner (its started_at).",
     buckets=(0.001, 0.005, *_LONG_BUCKETS),
 )
 PROMPT_TOKENS = Metric("exo_prompt_tokens_total", "counter", "Prompt tokens of ended jobs.")

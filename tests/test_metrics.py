@@ -82,8 +82,8 @@ def test_jobs_count_their_status_tokens_and_latencies(stack: Stack, omega: Worke
     ttft = sum(seconds(job, "created_at", "first_token_at") for job in jobs)
     assert delta("exo_time_to_first_token_seconds_sum", model="omega") == pytest.approx(ttft)
     queued = sum(seconds(job, "created_at", "started_at") for job in jobs)
-    queue_sum = delta("exo_request_queue_time_seconds_sum", model="omega")
-    assert queued <= queue_sum < queued + 0.5
+    # The records' own waits (CI: the runner's admission, measured before, was 0.5 s later).
+    assert delta("exo_request_queue_time_seconds_sum", model="omega") == pytest.approx(queued)
     itl = delta("exo_inter_token_latency_seconds_sum", model="omega")
     assert 0 < itl < e2e
     for name in HISTOGRAMS:  # cumulative buckets that end at the count

@@ -71,7 +71,9 @@ class InFlight:
         started = job.model_copy(update={"usage": usage})
         limits = (command.soft_deadline, command.deadline, self.spec.max_job_bytes)
         self.jobs[job.id] = ActiveJob(started, *limits)
-        self.outbox.observe(metrics.QUEUE_TIME, utcnow() - job.created_at)
+        # The record's own wait (its task's hand-over), not the runner's admission: the two
+        # differ by the runner's intake, which a loaded host makes long.
+        self.outbox.observe(metrics.QUEUE_TIME, (job.started_at or utcnow()) - job.created_at)
         self.record_progress(progressed=True)
         log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt)})
         self.outbox.jobs_changed()
