@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 from exo_tasks.runner import sampling
@@ -27,26 +25,20 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: Path) -> tuple[Any, Any]:
-    loaded = load(str(tiny_model))  # (model, tokenizer); typed as maybe a 3-tuple
-    return loaded[0], loaded[1]
-
-
 @pytest.fixture(
     params=[(1, None), (2, None), (2, 0)], ids=["one_lane", "two_lanes", "two_lanes_no_budget"]
 )
-def engine(loaded: tuple[Any, Any], request: pytest.FixtureRequest) -> Iterator[BatchEngine]:
+def engine(tiny_loaded: tuple[Any, Any], request: pytest.FixtureRequest) -> Iterator[BatchEngine]:
     """The CPU's default prefill budget, and none (a GPU's)."""
     lanes, budget = request.param
-    engine = BatchEngine(*loaded, lanes=lanes, prefill_token_budget=budget)
+    engine = BatchEngine(*tiny_loaded, lanes=lanes, prefill_token_budget=budget)
     yield engine
     engine.close()
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["together", "late_joiners"])
 def test_batched_greedy_jobs_match_generation_alone(
-    loaded: tuple[Any, Any], engine: BatchEngine, late: bool
+    tiny_loaded: tuple[Any, Any], engine: BatchEngine, late: bool
 ) -> None:
     run = Run(engine)
     lengths = {str(i): 30 + 3 * i for i in range(len(PROMPTS))}  # staggered finishes
@@ -63,7 +55,7 @@ def test_batched_greedy_jobs_match_generation_alone(
 
     assert engine.largest_batch == 8
     for i, prompt in enumerate(PROMPTS):
-        text, tokens = alone(loaded, prompt, lengths[str(i)])
+        text, tokens = alone(tiny_loaded, prompt, lengths[str(i)])
         assert run.text(str(i)) == text
         assert run.last(str(i)).completion_tokens == tokens
         assert run.last(str(i)).finish_reason == "length"
@@ -87,9 +79,9 @@ def test_eos_stops_a_job_unless_ignore_eos(engine: BatchEngine) -> None:
 
 
 def test_stop_string_cuts_output_and_is_never_streamed(
-    loaded: tuple[Any, Any], engine: BatchEngine
+    tiny_loaded: tuple[Any, Any], engine: BatchEngine
 ) -> None:
-    full, _ = alone(loaded, "Hello", 60)
+    full, _ = alone(tiny_loaded, "Hello", 60)
     stop = full[20:24]
     expected = full[: full.index(stop)]
     # A stop string whose first characters end the output: held back, then flushed at the end.
@@ -107,7 +99,7 @@ def test_stop_string_cuts_output_and_is_never_streamed(
     assert all(stop not in d.text for d in run.deltas["cut"])
     assert run.text("flush") == full
     assert run.last("flush").finish_reason == "length"
-    assert run.text("other") == alone(loaded, "a", 60)[0]
+    assert run.text("other") == alone(tiny_loaded, "a", 60)[0]
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine: BatchEngine) -> None:
@@ -131,7 +123,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine: BatchEngine) -
 
 
 def test_remove_cancels_one_job_and_leaves_the_others(
-    loaded: tuple[Any, Any], engine: BatchEngine
+    tiny_loaded: tuple[Any, Any], engine: BatchEngine
 ) -> None:
     run = Run(engine)
     for i, prompt in enumerate(PROMPTS[:4]):
@@ -151,11 +143,11 @@ def test_remove_cancels_one_job_and_leaves_the_others(
     assert not run.deltas["queued"]
     assert len(run.deltas["1"]) == tokens_at_removal
     for i in (0, 2, 3):
-        assert run.text(str(i)) == alone(loaded, PROMPTS[i], 40)[0]
+        assert run.text(str(i)) == alone(tiny_loaded, PROMPTS[i], 40)[0]
 
 
 def test_invalid_jobs_are_refused_and_the_engine_keeps_working(
-    loaded: tuple[Any, Any], engine: BatchEngine
+    tiny_loaded: tuple[Any, Any], engine: BatchEngine
 ) -> None:
     run = Run(engine)
     run.add("ok", "Hello", max_tokens=30)
@@ -170,12 +162,12 @@ def test_invalid_jobs_are_refused_and_the_engine_keeps_working(
     run.until_done()
 
     assert engine.active_jobs == 0
-    assert run.text("ok") == alone(loaded, "Hello", 30)[0]
-    assert run.text("after") == alone(loaded, "a", 30)[0]
+    assert run.text("ok") == alone(tiny_loaded, "Hello", 30)[0]
+    assert run.text("after") == alone(tiny_loaded, "a", 30)[0]
 
 
-def test_encode_and_warmup(loaded: tuple[Any, Any], engine: BatchEngine) -> None:
-    _, tokenizer = loaded
+def test_encode_and_warmup(tiny_loaded: tuple[Any, Any], engine: BatchEngine) -> None:
+    _, tokenizer = tiny_loaded
     messages = [ChatMessage(role="user", content="Hi there")]
     chat = [{"role": "user", "content": "Hi there"}]
     expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
@@ -189,11 +181,11 @@ def test_encode_and_warmup(loaded: tuple[Any, Any], engine: BatchEngine) -> None
     run = Run(engine)
     run.add("first", "Hello", max_tokens=10)
     run.until_done()
-    assert run.text("first") == alone(loaded, "Hello", 10)[0]
+    assert run.text("first") == alone(tiny_loaded, "Hello", 10)[0]
 
 
-def test_jobs_are_spread_over_lanes_that_step_together(loaded: tuple[Any, Any]) -> None:
-    engine = BatchEngine(*loaded, lanes=2)
+def test_jobs_are_spread_over_lanes_that_step_together(tiny_loaded: tuple[Any, Any]) -> None:
+    engine = BatchEngine(*tiny_loaded, lanes=2)
     try:
         run = Run(engine)
         for i, prompt in enumerate(PROMPTS[:3]):
@@ -210,8 +202,8 @@ def test_jobs_are_spread_over_lanes_that_step_together(loaded: tuple[Any, Any]) 
         run.until_done()
         assert engine.lane_jobs == [0, 0]
         for i, prompt in enumerate(PROMPTS[:6]):
-            assert run.text(str(i)) == alone(loaded, prompt, 12)[0]
-        assert run.text("late") == alone(loaded, PROMPTS[6], 12)[0]
+            assert run.text(str(i)) == alone(tiny_loaded, prompt, 12)[0]
+        assert run.text("late") == alone(tiny_loaded, PROMPTS[6], 12)[0]
     finally:
         engine.close()
 
@@ -223,9 +215,9 @@ SHORT = "Hello there, how are you today?"  # ~31 tokens
 
 @pytest.mark.parametrize("budget", [0, 32], ids=["no_budget", "budget"])
 def test_prompts_that_arrive_together_are_prefilled_one_at_a_time_within_the_budget(
-    loaded: tuple[Any, Any], budget: int
+    tiny_loaded: tuple[Any, Any], budget: int
 ) -> None:
-    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=budget)
+    engine = BatchEngine(*tiny_loaded, lanes=1, prefill_token_budget=budget)
     try:
         run = Run(engine)
         for i, prompt in enumerate(LONG_PROMPTS):
@@ -239,17 +231,17 @@ def test_prompts_that_arrive_together_are_prefilled_one_at_a_time_within_the_bud
         else:
             assert first_steps[0] == first_steps[1] == first_steps[2]
         for i, prompt in enumerate(LONG_PROMPTS):
-            assert run.text(str(i)) == alone(loaded, prompt, 8)[0]
+            assert run.text(str(i)) == alone(tiny_loaded, prompt, 8)[0]
     finally:
         engine.close()
 
 
 def test_a_short_prompt_joins_a_long_ones_prefill_and_ends_it_where_it_ends(
-    loaded: tuple[Any, Any],
+    tiny_loaded: tuple[Any, Any],
 ) -> None:
     """A long prompt takes its prefill budget step after step; a short one arriving meanwhile
     is not held back until it is done, and neither is padded to the other (same text)."""
-    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=32)
+    engine = BatchEngine(*tiny_loaded, lanes=1, prefill_token_budget=32)
     try:
         run = Run(engine)
         # Two of these alone exceed the budget: it joins as the long one's step shrinks to it.
@@ -258,8 +250,8 @@ def test_a_short_prompt_joins_a_long_ones_prefill_and_ends_it_where_it_ends(
         run.step()  # its first chunk of PREFILL_STEP_SIZE tokens
         run.add("short", SHORT, max_tokens=8)
         run.until_done()
-        assert run.text("long") == alone(loaded, long_prompt, 8)[0]
-        assert run.text("short") == alone(loaded, SHORT, 8)[0]
+        assert run.text("long") == alone(tiny_loaded, long_prompt, 8)[0]
+        assert run.text("short") == alone(tiny_loaded, SHORT, 8)[0]
         # As soon as on an idle engine, and well before the long one's first token.
         idle = Run(engine)
         idle.add("short", SHORT, max_tokens=8)
@@ -271,12 +263,12 @@ def test_a_short_prompt_joins_a_long_ones_prefill_and_ends_it_where_it_ends(
 
 
 def test_a_long_prompt_paced_beside_a_decoding_job_keeps_both_texts(
-    loaded: tuple[Any, Any],
+    tiny_loaded: tuple[Any, Any],
 ) -> None:
     """While a job decodes, a long prompt's steps are paced in time (prefill_pace): the job
     gets a token at every step of that prefill and both greedy texts are the ones alone. How
     long those steps take is `make bench`'s (section stallfree)."""
-    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=32)
+    engine = BatchEngine(*tiny_loaded, lanes=1, prefill_token_budget=32)
     try:
         run = Run(engine)
         # Outlasts the prompt's prefill at its smallest chunks (MIN_CHUNK: 100 steps).
@@ -290,14 +282,16 @@ def test_a_long_prompt_paced_beside_a_decoding_job_keeps_both_texts(
             run.step()
             assert len(run.deltas["bystander"]) == streamed + 1
         run.until_done()
-        assert run.text("long") == alone(loaded, long_prompt, 8)[0]
-        assert run.text("bystander") == alone(loaded, "bystander", 200)[0]
+        assert run.text("long") == alone(tiny_loaded, long_prompt, 8)[0]
+        assert run.text("bystander") == alone(tiny_loaded, "bystander", 200)[0]
     finally:
         engine.close()
 
 
-def test_lanes_share_the_batch_limit_and_never_outnumber_it(loaded: tuple[Any, Any]) -> None:
-    one_at_a_time = BatchEngine(*loaded, completion_batch_size=1, prefill_batch_size=1, lanes=4)
+def test_lanes_share_the_batch_limit_and_never_outnumber_it(tiny_loaded: tuple[Any, Any]) -> None:
+    one_at_a_time = BatchEngine(
+        *tiny_loaded, completion_batch_size=1, prefill_batch_size=1, lanes=4
+    )
     try:
         assert one_at_a_time.lanes == 1
     finally:
@@ -324,7 +318,7 @@ def raising_after(calls: int, sampler: Any) -> Any:
 
 @pytest.mark.parametrize("calls", [0, 5], ids=["in_prefill", "mid_decode"])
 def test_a_jobs_own_sampler_failing_fails_that_job_alone(
-    loaded: tuple[Any, Any],
+    tiny_loaded: tuple[Any, Any],
     engine: BatchEngine,
     monkeypatch: pytest.MonkeyPatch,
     calls: int,
@@ -344,19 +338,19 @@ def test_a_jobs_own_sampler_failing_fails_that_job_alone(
     assert run.last("bad").error == "sampling failed: Boom('bad sampler')"
     assert run.last("bad").completion_tokens <= calls + 1
     for i, prompt in enumerate(PROMPTS[:3]):
-        assert run.text(str(i)) == alone(loaded, prompt, 20)[0]
+        assert run.text(str(i)) == alone(tiny_loaded, prompt, 20)[0]
         assert run.last(str(i)).finish_reason == "length"
 
 
 def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
-    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+    tiny_loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
         sampling,
         "make_sampler",
         lambda t, **kwargs: raising_after(2, make_sampler(t, **kwargs)),
     )
-    engine = BatchEngine(*loaded, lanes=2)
+    engine = BatchEngine(*tiny_loaded, lanes=2)
     try:
         run = Run(engine)
         for i, prompt in enumerate(PROMPTS[:4]):  # fill lane 1 to LANE_MIN_JOBS ...
@@ -367,7 +361,7 @@ def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
 
         assert run.last("bad").error == "generation failed: Boom('bad sampler')"
         for i, prompt in enumerate(PROMPTS[:4]):
-            assert run.text(str(i)) == alone(loaded, prompt, 20)[0]
+            assert run.text(str(i)) == alone(tiny_loaded, prompt, 20)[0]
         # The failed lane was made again, empty, and serves the next jobs.
         assert engine.lane_jobs == [0, 0]
         for i, prompt in enumerate(PROMPTS[:5]):
@@ -375,6 +369,6 @@ def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
         assert engine.lane_jobs == [4, 1]
         run.until_done()
         for i, prompt in enumerate(PROMPTS[:5]):
-            assert run.text(f"after-{i}") == alone(loaded, prompt, 10)[0]
+            assert run.text(f"after-{i}") == alone(tiny_loaded, prompt, 10)[0]
     finally:
         engine.close()

@@ -17,14 +17,8 @@ from exo_tasks.modelgen import EOS, UNK, create_model, ensure_model
 PRINTABLE = set(string.printable)
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: Path) -> tuple[Any, Any]:
-    """The tiny model and its tokenizer wrapper, as mlx_lm loads them."""
-    return mlx_lm.load(str(tiny_model))[:2]
-
-
-def test_greedy_generation_is_printable_ascii(loaded: tuple[Any, Any]) -> None:
-    model, tokenizer = loaded
+def test_greedy_generation_is_printable_ascii(tiny_loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny_loaded
     for prompt in ("hello", "The quick brown fox"):
         text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=16)
         assert len(text) == 16  # no EOS within 16 greedy tokens
@@ -32,16 +26,16 @@ def test_greedy_generation_is_printable_ascii(loaded: tuple[Any, Any]) -> None:
         assert len(set(text)) > 3  # varied, not one repeated character
 
 
-def test_stream_generate_yields_text(loaded: tuple[Any, Any]) -> None:
-    model, tokenizer = loaded
+def test_stream_generate_yields_text(tiny_loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny_loaded
     responses = list(mlx_lm.stream_generate(model, tokenizer, "hello", max_tokens=8))
     text = "".join(r.text for r in responses)
     assert text and set(text) <= PRINTABLE
     assert text == tokenizer.decode([r.token for r in responses])
 
 
-def test_round_trip_unk_and_eos(loaded: tuple[Any, Any]) -> None:
-    _, tokenizer = loaded
+def test_round_trip_unk_and_eos(tiny_loaded: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny_loaded
     s = " two  spaces\nnew line\ttab ~!{}<|x|> "
     ids = tokenizer.encode(s)
     assert len(ids) == len(s)  # one token per character, no BOS
@@ -55,8 +49,8 @@ def test_round_trip_unk_and_eos(loaded: tuple[Any, Any]) -> None:
     assert config["eos_token_id"] == tokenizer.eos_token_id
 
 
-def test_streaming_detokenizer_matches_decode(loaded: tuple[Any, Any]) -> None:
-    _, tokenizer = loaded
+def test_streaming_detokenizer_matches_decode(tiny_loaded: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny_loaded
     ids = [*tokenizer.encode("  lead\n\ttab  trail "), tokenizer.eos_token_id]
     detokenizer = tokenizer.detokenizer
     streamed = ""
@@ -68,8 +62,8 @@ def test_streaming_detokenizer_matches_decode(loaded: tuple[Any, Any]) -> None:
     assert streamed == detokenizer.text == tokenizer.decode(ids)
 
 
-def test_chat_template_renders(loaded: tuple[Any, Any]) -> None:
-    _, tokenizer = loaded
+def test_chat_template_renders(tiny_loaded: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny_loaded
     messages = [{"role": "user", "content": "hi"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert tokenizer.decode(ids) == "<|user|>\nhi\n<|assistant|>\n"

@@ -17,7 +17,6 @@ from typing import Any
 
 import psutil
 import pytest
-from mlx_lm import load
 
 from exo_tasks.runner.engine import BatchEngine
 from exo_tasks.runner.prefiller import Prefiller
@@ -32,12 +31,6 @@ STEP_SIZE = 256
 GONE_WITHIN_S = 5.0
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: Path) -> tuple[Any, Any]:
-    loaded = load(str(tiny_model))
-    return loaded[0], loaded[1]
-
-
 @pytest.fixture
 def prefiller(tiny_model: Path) -> Iterator[Prefiller]:
     prefiller = Prefiller(str(tiny_model), MIN_TOKENS, STEP_SIZE)
@@ -47,8 +40,8 @@ def prefiller(tiny_model: Path) -> Iterator[Prefiller]:
 
 
 @pytest.fixture
-def run(loaded: tuple[Any, Any], prefiller: Prefiller) -> Iterator[Run]:
-    engine = BatchEngine(*loaded, lanes=1, prefill_token_budget=32, prefill_process=prefiller)
+def run(tiny_loaded: tuple[Any, Any], prefiller: Prefiller) -> Iterator[Run]:
+    engine = BatchEngine(*tiny_loaded, lanes=1, prefill_token_budget=32, prefill_process=prefiller)
     run = Run(engine)
     run.add("bystander", "bystander", max_tokens=300, ignore_eos=True)
     while len(run.deltas["bystander"]) < 3:
@@ -73,21 +66,21 @@ def _running(process: psutil.Process) -> bool:
 
 def _loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The jobs whose KV state the engine took from the prefill process."""
-    loaded: list[str] = []
+    took: list[str] = []
     load_state = Prefiller.load
 
     def spy(path: Path, job: Any) -> Any:
         lookup = load_state(path, job)
         if lookup is not None:
-            loaded.append(job.job_id)
+            took.append(job.job_id)
         return lookup
 
     monkeypatch.setattr(Prefiller, "load", staticmethod(spy))
-    return loaded
+    return took
 
 
 def test_a_long_prompt_is_prefilled_by_its_process_and_both_texts_are_alones(
-    loaded: tuple[Any, Any], run: Run, monkeypatch: pytest.MonkeyPatch
+    tiny_loaded: tuple[Any, Any], run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The bystander gets a token at every step while the process computes the prompt; the
     lane computes only its last token (one step from its return to its first token), and the
@@ -105,8 +98,8 @@ def test_a_long_prompt_is_prefilled_by_its_process_and_both_texts_are_alones(
     assert back_at is not None and run.first_step["long"] - back_at <= 1
     assert run.deltas["long"][0].cached_tokens == 0
     run.until_done()
-    assert run.text("long") == alone(loaded, LONG_PROMPT, 8)[0]
-    assert run.text("bystander") == alone(loaded, "bystander", 300)[0]
+    assert run.text("long") == alone(tiny_loaded, LONG_PROMPT, 8)[0]
+    assert run.text("bystander") == alone(tiny_loaded, "bystander", 300)[0]
 
 
 def test_a_short_prompt_stays_with_its_lane(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +110,7 @@ def test_a_short_prompt_stays_with_its_lane(run: Run, monkeypatch: pytest.Monkey
 
 
 def test_a_prompt_whose_process_died_is_prefilled_by_its_lane(
-    loaded: tuple[Any, Any], run: Run, prefiller: Prefiller, monkeypatch: pytest.MonkeyPatch
+    tiny_loaded: tuple[Any, Any], run: Run, prefiller: Prefiller, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGKILL while the process holds the prompt: nothing is lost, the lane does it, and later
     long prompts stay with the lanes."""
@@ -127,7 +120,7 @@ def test_a_prompt_whose_process_died_is_prefilled_by_its_lane(
     _kill(prefiller.pid)
     run.until_done()
     assert took == []
-    assert run.text("long") == alone(loaded, LONG_PROMPT, 8)[0]
+    assert run.text("long") == alone(tiny_loaded, LONG_PROMPT, 8)[0]
     assert run.last("bystander").finish_reason == "length"
     run.add("again", LONG_PROMPT, max_tokens=8)
     run.until_done()
@@ -170,6 +163,7 @@ def test_the_process_exits_when_its_runner_is_killed(tiny_model: Path) -> None:
         deadline = time.monotonic() + 30
         while helper.cpu_times().user < 1.0 and time.monotonic() < deadline:
             time.sleep(0.1)  # loading, then computing
+        assert _running(helper), "the prefill process never ran: nothing to outlive"
         runner.kill()
         runner.wait()
         deadline = time.monotonic() + GONE_WITHIN_S
@@ -184,7 +178,11 @@ def test_the_process_exits_when_its_runner_is_killed(tiny_model: Path) -> None:
 
 
 def test_a_workers_runner_prefills_long_prompts_in_its_process_and_its_stop_ends_it(
-    loaded: tuple[Any, Any], stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
+    tiny_loaded: tuple[Any, Any],
+    stack: Stack,
+    processes: Processes,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
     """EXO_PREFILL_PROCESS_MIN_TOKENS through a real worker: the runner starts its prefill
     process, a long prompt beside a decoding job goes there and both texts are alone's; the
@@ -208,7 +206,7 @@ def test_a_workers_runner_prefills_long_prompts_in_its_process_and_its_stop_ends
         prompt="bystander", max_tokens=2000, ignore_eos=True, host="host-p"
     )
     long = stack.api.submit(prompt=LONG_PROMPT, max_tokens=8, host="host-p")
-    assert stack.api.wait_job(long)["output"]["text"] == alone(loaded, LONG_PROMPT, 8)[0]
+    assert stack.api.wait_job(long)["output"]["text"] == alone(tiny_loaded, LONG_PROMPT, 8)[0]
     assert stack.api.wait_job(bystander)["status"] == "succeeded"
     sent = [line for line in worker.log_text().splitlines() if "prefill process" in line]
     assert len(sent) == 1 and long in sent[0], sent

@@ -29,12 +29,6 @@ PROCESSED: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: Path) -> tuple[Any, Any]:
-    loaded = load(str(tiny_model))
-    return loaded[0], loaded[1]
-
-
 def run_alone(engine: BatchEngine, prompt: str, **params: Any) -> Run:
     run = Run(engine)
     run.add("alone", prompt, **params)
@@ -42,9 +36,9 @@ def run_alone(engine: BatchEngine, prompt: str, **params: Any) -> Run:
     return run
 
 
-def mlx_lm_alone(loaded: tuple[Any, Any], prompt: str, max_tokens: int, **params: Any) -> str:
+def mlx_lm_alone(tiny_loaded: tuple[Any, Any], prompt: str, max_tokens: int, **params: Any) -> str:
     """mlx-lm's own single-request generation with the same processors (greedy)."""
-    model, tokenizer = loaded
+    model, tokenizer = tiny_loaded
     bias = {int(k): v for k, v in params.get("logit_bias", {}).items()}
     processors = make_logits_processors(
         bias or None,
@@ -64,9 +58,9 @@ def mlx_lm_alone(loaded: tuple[Any, Any], prompt: str, max_tokens: int, **params
 
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_each_jobs_penalties_and_bias_in_one_batch_are_what_it_gets_alone(
-    loaded: tuple[Any, Any], lanes: int
+    tiny_loaded: tuple[Any, Any], lanes: int
 ) -> None:
-    engine = BatchEngine(*loaded, lanes=lanes)
+    engine = BatchEngine(*tiny_loaded, lanes=lanes)
     try:
         common = {"max_tokens": 40, "ignore_eos": True}
         plain = run_alone(engine, PROMPT, **common).text("alone")
@@ -84,13 +78,13 @@ def test_each_jobs_penalties_and_bias_in_one_batch_are_what_it_gets_alone(
         for name, params in PROCESSED.items():
             assert alone[name] != plain, f"{name} changes nothing: the test would prove nothing"
             assert run.text(name) == alone[name], name
-            assert alone[name] == mlx_lm_alone(loaded, PROMPT, 40, **params), name
+            assert alone[name] == mlx_lm_alone(tiny_loaded, PROMPT, 40, **params), name
     finally:
         engine.close()
 
 
-def test_top_k_and_min_p_filter_each_jobs_sampling(loaded: tuple[Any, Any]) -> None:
-    engine = BatchEngine(*loaded, lanes=1)
+def test_top_k_and_min_p_filter_each_jobs_sampling(tiny_loaded: tuple[Any, Any]) -> None:
+    engine = BatchEngine(*tiny_loaded, lanes=1)
     try:
         common: dict[str, Any] = {"max_tokens": 30, "ignore_eos": True}
         greedy = run_alone(engine, PROMPT, **common).text("alone")
@@ -111,8 +105,8 @@ def test_top_k_and_min_p_filter_each_jobs_sampling(loaded: tuple[Any, Any]) -> N
         engine.close()
 
 
-def test_logprobs_are_mlx_lms_for_each_token(loaded: tuple[Any, Any]) -> None:
-    engine = BatchEngine(*loaded, lanes=1)
+def test_logprobs_are_mlx_lms_for_each_token(tiny_loaded: tuple[Any, Any]) -> None:
+    engine = BatchEngine(*tiny_loaded, lanes=1)
     try:
         run = Run(engine)
         run.add("lp", PROMPT, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
@@ -120,7 +114,7 @@ def test_logprobs_are_mlx_lms_for_each_token(loaded: tuple[Any, Any]) -> None:
         run.until_done()
         entries = [e for d in run.deltas["lp"] for e in d.logprobs]
         assert not any(d.logprobs for d in run.deltas["none"])
-        model, tokenizer = loaded
+        model, tokenizer = tiny_loaded
         reference = list(stream_generate(model, tokenizer, tokenizer.encode(PROMPT), 12))
         assert [e.token for e in entries] == [r.text for r in reference]
         for entry, r in zip(entries, reference, strict=True):
@@ -134,8 +128,8 @@ def test_logprobs_are_mlx_lms_for_each_token(loaded: tuple[Any, Any]) -> None:
         engine.close()
 
 
-def test_settings_the_vocabulary_rules_out_are_refused(loaded: tuple[Any, Any]) -> None:
-    engine = BatchEngine(*loaded, lanes=1)
+def test_settings_the_vocabulary_rules_out_are_refused(tiny_loaded: tuple[Any, Any]) -> None:
+    engine = BatchEngine(*tiny_loaded, lanes=1)
     try:
         tokens = engine.encode(PROMPT, None)
         with pytest.raises(ValueError, match="top_k"):
@@ -194,8 +188,8 @@ def test_a_tool_model_calls_its_tool_only_when_given_tools(tmp_path: Path) -> No
         engine.close()
 
 
-def test_tools_for_a_model_without_tool_support_are_refused(loaded: tuple[Any, Any]) -> None:
-    engine = BatchEngine(*loaded, lanes=1)
+def test_tools_for_a_model_without_tool_support_are_refused(tiny_loaded: tuple[Any, Any]) -> None:
+    engine = BatchEngine(*tiny_loaded, lanes=1)
     try:
         spec = {"type": "function", "function": {"name": "f"}}
         with pytest.raises(ValueError, match="no tool support"):

@@ -63,10 +63,8 @@ class Cancel(BaseModel):
 
 
 class Progress(BaseModel):
-    kind: Literal["progress"] = "progress"
+    kind: Literal["progress"] = "progress"  # a chunk computed
     job_id: str
-    done: int
-    total: int
 
 
 class Done(BaseModel):
@@ -163,9 +161,11 @@ class Prefiller:
             self._alive = False
             jobs, self._jobs = list(self._jobs.values()), {}
             return [(job, None) for job in jobs]
-        if isinstance(reply, Ready | Progress):
-            self._ready = self._ready or isinstance(reply, Ready)
-            self._chunks += isinstance(reply, Progress)
+        if isinstance(reply, Ready):
+            self._ready = True
+            return []
+        if isinstance(reply, Progress):
+            self._chunks += 1
             return []
         job = self._jobs.pop(reply.job_id, None)
         path = Path(reply.path) if isinstance(reply, Done) else None
@@ -266,7 +266,7 @@ def serve(model_path: str, directory: Path, step_size: int) -> None:
                 model(mx.array(chunk)[None], cache=cache)
                 mx.eval([c.state for c in cache])
                 done += len(chunk)
-                reply(Progress(job_id=job_id, done=done, total=len(tokens)))
+                reply(Progress(job_id=job_id))
             if job_id in cancelled:
                 continue
             path = directory / f"{uuid.uuid4().hex}.safetensors"

@@ -28,6 +28,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_loaded(tiny_model: Path) -> tuple[Any, Any]:
+    """The tiny model and its tokenizer wrapper, as mlx_lm loads them (read only: shared)."""
+    import mlx_lm
+
+    loaded = mlx_lm.load(str(tiny_model))
+    return loaded[0], loaded[1]
+
+
+@pytest.fixture(scope="session")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `chat` preset: byte-level BPE, ChatML, `<|im_end|>` as EOS."""
     from exo_tasks.modelgen import create_model
