@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from exo_tasks.runner.engine import BatchEngine
+from exo_tasks.runner.lane import Lane
 from exo_tasks.runner.prefiller import Prefiller
 from tests.support.engine import Run, alone
 from tests.support.processes import Processes
@@ -100,6 +101,58 @@ def test_a_long_prompt_is_prefilled_by_its_process_and_both_texts_are_alones(
     run.until_done()
     assert run.text("long") == alone(tiny_loaded, LONG_PROMPT, 8)[0]
     assert run.text("bystander") == alone(tiny_loaded, "bystander", 300)[0]
+
+
+def test_while_the_process_computes_one_lane_fewer_steps_at_once(
+    tiny_loaded: tuple[Any, Any], prefiller: Prefiller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two lanes of decoding jobs step side by side, but one after the other while the process
+    computes a prompt: it keeps a core busy, so a lane more than the cores left would make every
+    decoding job wait for the cores' sharing."""
+    spans: list[tuple[int, float, float]] = []  # (step, start, end) of each lane's advance
+    advance = Lane.advance
+
+    def timed(lane: Lane, *args: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return advance(lane, *args)
+        finally:
+            spans.append((driven.steps, start, time.monotonic()))
+
+    monkeypatch.setattr(Lane, "advance", timed)
+    engine = BatchEngine(*tiny_loaded, lanes=2, prefill_token_budget=32, prefill_process=prefiller)
+    driven = Run(engine)
+    computing: dict[int, bool] = {}  # step -> whether the process held a prompt in it
+
+    def step_once() -> None:
+        at = driven.steps
+        driven.step()
+        computing[at] = prefiller.computing  # it changes only before a step's advance
+
+    try:
+        for i in range(8):
+            driven.add(f"bystander {i}", f"bystander {i}", max_tokens=2000, ignore_eos=True)
+        while min(len(d) for d in driven.deltas.values()) < 3:
+            step_once()
+        assert engine.lane_jobs == [4, 4]
+        driven.add("long", LONG_PROMPT, max_tokens=8)
+        while not driven.deltas["long"]:
+            step_once()
+        by_step: dict[int, list[tuple[float, float]]] = {}
+        for step, start, end in spans:
+            by_step.setdefault(step, []).append((start, end))
+
+        def overlap(step: int) -> bool:
+            (a_start, a_end), (b_start, b_end) = by_step[step]
+            return a_start < b_end and b_start < a_end
+
+        during = [step for step, held in computing.items() if held]
+        beside = [step for step, held in computing.items() if not held]
+        assert len(during) >= 3, computing
+        assert not [step for step in during if overlap(step)]
+        assert [step for step in beside if overlap(step)], "two lanes never stepped together"
+    finally:
+        engine.close()
 
 
 def test_a_short_prompt_stays_with_its_lane(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:

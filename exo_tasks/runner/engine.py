@@ -24,7 +24,15 @@ from mlx_lm.generate import StopSequences
 from tokenizers import Tokenizer
 
 from exo_tasks.runner import prefill_pace, sampling, toolcalls
-from exo_tasks.runner.lane import Advance, EngineFinish, Lane, LaneJob, TokenDelta
+from exo_tasks.runner.lane import (
+    PREFILL_STEP_SIZE,
+    Advance,
+    EngineFinish,
+    Lane,
+    LaneJob,
+    TokenDelta,
+    default_prefill_token_budget,
+)
 from exo_tasks.runner.lane_threads import LaneThread, run_here
 from exo_tasks.runner.prefiller import Prefiller
 from exo_tasks.runner.prompt_cache import PromptCache
@@ -37,25 +45,6 @@ MAX_AUTO_LANES = 8
 # lanes of 1 job make 17% fewer tokens/s than one lane of 2; two of 4, 7% more than one of 8;
 # two of 16, 61% more than one of 32), so a lane is opened only once the busy ones hold this.
 LANE_MIN_JOBS = 4
-# Prompt tokens a lane prefills per step at most. A step is the stall watchdog's unit of
-# progress, so it must stay short however long the prompt: on a 2-core CPU (`tiny`, 8,192
-# tokens) the last step took 6.1 s at mlx-lm's default of 2,048, 1.8 s at 512 and 1.2 s at
-# 256, for the same total (12-13 s). While jobs decode, a CPU step is sized in time instead
-# (exo_tasks.runner.prefill_pace): they wait for each step for their next token.
-PREFILL_STEP_SIZE = 256
-# Prompt tokens a lane's step may prefill on the CPU (a step is let to compute more only for one
-# long prompt, or to let a shorter one join it). On the CPU a step's time grows with its tokens
-# and nothing is gained by batching prompts (bench model, 2 cores: 17-22 ms a token from 8 to
-# 256 tokens, alone or in rows), while every prompt in a step waits for the whole step for its
-# first token: prompts prefilled one at a time get their first tokens sooner, at no cost in
-# throughput. On a GPU a step's time grows far less than its tokens: no budget there.
-PREFILL_TOKEN_BUDGET = 32
-
-
-def default_prefill_token_budget() -> int:
-    """Prompt tokens a lane's step may prefill: PREFILL_TOKEN_BUDGET on the CPU, no budget (0)
-    on a GPU."""
-    return 0 if mx.default_device() == mx.gpu else PREFILL_TOKEN_BUDGET
 
 
 def default_lanes() -> int:
@@ -269,22 +258,33 @@ class BatchEngine:
         keep = self.prompt_cache.enabled
         deltas: list[TokenDelta] = []
         # Lane 0 runs here, when it is submitted: the others are started before it.
-        lanes = list(zip(self._lanes, chunks, strict=True))[::-1]
-        running = [
-            (lane, lane.submit(lane.advance, keep, chunk)) for lane, chunk in lanes if lane.jobs
+        lanes = [
+            (lane, chunk) for lane, chunk in zip(self._lanes, chunks, strict=True) if lane.jobs
         ]
+        lanes.reverse()
         batch = 0
         self._prefill_chunks = 0
-        for lane, future in running:
-            try:
-                advance = future.result()
-            except Exception as exc:  # noqa: BLE001 (one lane's failure is its jobs' alone)
-                deltas.extend(self._lane_failed(lane, exc))
-                continue
-            batch += len(advance.responses)
-            deltas.extend(self._advanced(lane, advance))
+        width = self._parallel_lanes()
+        for wave in (lanes[i : i + width] for i in range(0, len(lanes), width)):
+            running = [(lane, lane.submit(lane.advance, keep, chunk)) for lane, chunk in wave]
+            for lane, future in running:
+                try:
+                    advance = future.result()
+                except Exception as exc:  # noqa: BLE001 (one lane's failure is its jobs' alone)
+                    deltas.extend(self._lane_failed(lane, exc))
+                    continue
+                batch += len(advance.responses)
+                deltas.extend(self._advanced(lane, advance))
         self._largest_batch = max(self._largest_batch, batch)
         return deltas
+
+    def _parallel_lanes(self) -> int:
+        """How many lanes step at once: one fewer while the prefill process computes a prompt,
+        for it keeps a core busy as a lane does (more lanes than the cores left make every
+        decoding job wait for the cores' sharing)."""
+        if self._prefiller is not None and self._prefiller.computing:
+            return max(1, len(self._lanes) - 1)
+        return len(self._lanes)
 
     def _advanced(self, lane: Lane, advance: Advance) -> list[TokenDelta]:
         """A lane's step done: keep the KV states it gave, count its prefill, decode its tokens."""

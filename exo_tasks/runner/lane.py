@@ -43,6 +43,26 @@ T = TypeVar("T")
 # A KV state worth keeping, and the tokens it holds.
 Snapshot = tuple[list[Any], list[int]]
 
+# Prompt tokens a lane prefills per step at most. A step is the stall watchdog's unit of
+# progress, so it must stay short however long the prompt: on a 2-core CPU (`tiny`, 8,192
+# tokens) the last step took 6.1 s at mlx-lm's default of 2,048, 1.8 s at 512 and 1.2 s at
+# 256, for the same total (12-13 s). While jobs decode, a CPU step is sized in time instead
+# (exo_tasks.runner.prefill_pace): they wait for each step for their next token.
+PREFILL_STEP_SIZE = 256
+# Prompt tokens a lane's step may prefill on the CPU (a step is let to compute more only for one
+# long prompt, or to let a shorter one join it). On the CPU a step's time grows with its tokens
+# and nothing is gained by batching prompts (bench model, 2 cores: 17-22 ms a token from 8 to
+# 256 tokens, alone or in rows), while every prompt in a step waits for the whole step for its
+# first token: prompts prefilled one at a time get their first tokens sooner, at no cost in
+# throughput. On a GPU a step's time grows far less than its tokens: no budget there.
+PREFILL_TOKEN_BUDGET = 32
+
+
+def default_prefill_token_budget() -> int:
+    """Prompt tokens a lane's step may prefill: PREFILL_TOKEN_BUDGET on the CPU, no budget (0)
+    on a GPU."""
+    return 0 if mx.default_device() == mx.gpu else PREFILL_TOKEN_BUDGET
+
 
 @dataclass(frozen=True)
 class TokenDelta:

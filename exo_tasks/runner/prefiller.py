@@ -111,6 +111,11 @@ class Prefiller:
     def pid(self) -> int:
         return self._process.pid
 
+    @property
+    def computing(self) -> bool:
+        """Whether the process holds a prompt: it keeps one core busy until it hands it back."""
+        return bool(self._jobs)
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until the process has loaded the model (False: it could not, or not in time;
         the lanes prefill every prompt until it can)."""

@@ -36,7 +36,6 @@ LANES: dict[str, tuple[str, ...]] = {
         "tests/test_front_door.py",
         "tests/test_cancel.py",
         "tests/test_control.py",
-        "tests/test_prefill_process.py",
     ),
     # Modules with workers of their own (CPU, beside the others' waiting), then the session's
     # stack and, last, its fleet.
@@ -66,6 +65,7 @@ LANES: dict[str, tuple[str, ...]] = {
         "tests/test_runners.py",
         "tests/test_streams.py",
         "tests/test_validation.py",
+        "tests/test_prefill_process.py",
         "tests/test_fleet.py",
         "tests/test_flower.py",
         "tests/test_flower_pages.py",
