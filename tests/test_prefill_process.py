@@ -66,17 +66,17 @@ def _running(process: psutil.Process) -> bool:
 
 
 def _loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The jobs whose KV state the engine took from the prefill process."""
+    """The jobs whose first token and KV state the engine took from the prefill process."""
     took: list[str] = []
-    load_state = Prefiller.load
+    first_token = Prefiller.first_token
 
-    def spy(path: Path, job: Any) -> Any:
-        lookup = load_state(path, job)
-        if lookup is not None:
+    def spy(done: Any, job: Any) -> Any:
+        first = first_token(done, job)
+        if first is not None:
             took.append(job.job_id)
-        return lookup
+        return first
 
-    monkeypatch.setattr(Prefiller, "load", staticmethod(spy))
+    monkeypatch.setattr(Prefiller, "first_token", staticmethod(spy))
     return took
 
 
@@ -84,7 +84,7 @@ def test_a_long_prompt_is_prefilled_by_its_process_and_both_texts_are_alones(
     tiny_loaded: tuple[Any, Any], run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The bystander gets a token at every step while the process computes the prompt; the
-    lane computes only its last token (one step from its return to its first token), and the
+    prompt's first token comes with its return, sampled from the process's logits, and the
     prompt cache did not give it: its usage counts no cached token."""
     took = _loads(monkeypatch)
     run.add("long", LONG_PROMPT, max_tokens=8)
@@ -96,7 +96,7 @@ def test_a_long_prompt_is_prefilled_by_its_process_and_both_texts_are_alones(
         if took and back_at is None:
             back_at = run.steps
     assert took == ["long"]
-    assert back_at is not None and run.first_step["long"] - back_at <= 1
+    assert back_at is not None and run.first_step["long"] == back_at
     assert run.deltas["long"][0].cached_tokens == 0
     run.until_done()
     assert run.text("long") == alone(tiny_loaded, LONG_PROMPT, 8)[0]
@@ -153,6 +153,57 @@ def test_while_the_process_computes_one_lane_fewer_steps_at_once(
         assert [step for step in beside if overlap(step)], "two lanes never stepped together"
     finally:
         engine.close()
+
+
+def _eos(loaded: tuple[Any, Any]) -> int:
+    return min(loaded[1].eos_token_ids)
+
+
+# Ways a job's first token is sampled or ends the job: the process's must be its lane's.
+FIRST_TOKENS = {
+    "seeded, penalised, with logprobs": {
+        "max_tokens": 12,
+        "temperature": 0.9,
+        "seed": 7,
+        "repetition_penalty": 1.3,
+        "logprobs": True,
+        "top_logprobs": 3,
+    },
+    "one token: it never joins a lane": {"max_tokens": 1},
+    "a stop string in the first token": {"max_tokens": 12, "stop": ["A"]},  # its text: "Ad..."
+}
+
+
+@pytest.mark.parametrize("case", [*FIRST_TOKENS, "EOS first"])
+def test_a_first_token_from_the_process_is_the_one_its_lane_samples(
+    tiny_loaded: tuple[Any, Any], prefiller: Prefiller, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's first token, sampled in the runner from the process's logits, and all that
+    follows from it (text, log-probabilities, its end) are what the lane gives the same job
+    with no prefill process."""
+    params = FIRST_TOKENS.get(case) or {"max_tokens": 12, "logit_bias": {_eos(tiny_loaded): 100}}
+    took = _loads(monkeypatch)
+    runs = []
+    for process in (prefiller, None):
+        engine = BatchEngine(*tiny_loaded, lanes=1, prefill_process=process)
+        runs.append(Run(engine))
+        runs[-1].add("long", LONG_PROMPT, **params)
+        lanes_took: list[int] = []
+        while engine.active_jobs:
+            runs[-1].step()
+            lanes_took.append(sum(engine.lane_jobs))
+        engine.close()
+        if process is not None and params["max_tokens"] == 1:
+            assert not any(lanes_took), "a one-token job joined a lane"
+    assert took == ["long"]
+    with_process, lane_alone = (r.deltas["long"] for r in runs)
+    assert [d.text for d in with_process] == [d.text for d in lane_alone]
+    assert [(d.completion_tokens, d.finish_reason) for d in with_process] == [
+        (d.completion_tokens, d.finish_reason) for d in lane_alone
+    ]
+    assert [d.logprobs for d in with_process] == [d.logprobs for d in lane_alone]
+    if case in ("EOS first", "a stop string in the first token"):
+        assert [(d.text, d.finish_reason) for d in with_process] == [("", "stop")]
 
 
 def test_a_short_prompt_stays_with_its_lane(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:

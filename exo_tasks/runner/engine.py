@@ -27,7 +27,6 @@ from exo_tasks.runner import prefill_pace, sampling, toolcalls
 from exo_tasks.runner.lane import (
     PREFILL_STEP_SIZE,
     Advance,
-    EngineFinish,
     Lane,
     LaneJob,
     TokenDelta,
@@ -37,7 +36,7 @@ from exo_tasks.runner.lane_threads import LaneThread, run_here
 from exo_tasks.runner.prefiller import Prefiller
 from exo_tasks.runner.prompt_cache import PromptCache
 from exo_tasks.types import ChatMessage, SamplingParams
-from exo_tasks.wire import TokenLogprob, Tool, ToolCall
+from exo_tasks.wire import Tool
 
 log = logging.getLogger("exo_tasks.engine")
 MAX_AUTO_LANES = 8
@@ -223,21 +222,35 @@ class BatchEngine:
     def step(self) -> list[TokenDelta]:
         """Run one prefill/decode step of every lane at once; one delta per job that sampled a
         token."""
-        if self._prefiller is not None:
-            self._rejoin(self._prefiller)
-        failed = self.admit_waiting()
-        deltas = failed + self.advance(self.prefill_sizes())
+        first = self._rejoin(self._prefiller) if self._prefiller is not None else []
+        deltas = first + self.admit_waiting() + self.advance(self.prefill_sizes())
         if self._prefiller is not None:
             self._prefill_chunks += self._prefiller.take_chunks()
         return deltas
 
-    def _rejoin(self, prefiller: Prefiller) -> None:
-        """The jobs the prefill process is done with, back to their lanes, first in line."""
-        for job, path in prefiller.finished(idle=not any(len(lane) for lane in self._lanes)):
+    def _rejoin(self, prefiller: Prefiller) -> list[TokenDelta]:
+        """The jobs the prefill process is done with: each one's first token, sampled from the
+        process's logits, and the job back to its lane, first in line, unless that token ended
+        it (a prompt the process could not do goes back to be prefilled there)."""
+        deltas: list[TokenDelta] = []
+        for job, done in prefiller.finished(idle=not any(len(lane) for lane in self._lanes)):
             lane = self._where[job.job_id]
-            if path is not None and (lookup := lane.call(Prefiller.load, path, job)):
-                job.lookup, job.prefilled_elsewhere = lookup, True
-            lane.waiting.appendleft(job)
+            first = lane.call(Prefiller.first_token, done, job) if done is not None else None
+            if first is None:
+                lane.waiting.appendleft(job)
+                continue
+            token, logprobs, finish, cache = first
+            delta = job.take(token, logprobs, finish, self._eos_ids, self._decode)
+            if isinstance(job.sampler, sampling.GuardedSampler) and job.sampler.error:
+                delta = TokenDelta(job.job_id, "", 0, None, job.sampler.error)
+            deltas.append(delta)
+            if delta.finish_reason is None and delta.error is None:
+                lane.waiting.appendleft(job)
+                continue
+            del self._where[job.job_id]
+            if delta.error is None:
+                self.prompt_cache.store(job.prompt, cache)
+        return deltas
 
     def admit_waiting(self) -> list[TokenDelta]:
         """A step's first part: let each lane's waiting jobs into its generator; a failure
@@ -351,29 +364,14 @@ class BatchEngine:
     def _delta(self, lane: Lane, r: Any) -> TokenDelta:
         """What one generation response means for its job."""
         job = lane.jobs[r.uid]
-        job.tokens += 1
-        logprobs: list[TokenLogprob] = []
-        if r.token not in self._eos_ids:  # EOS is never text, even with ignore_eos
-            job.detokenizer.add_token(r.token)
-            if job.top_logprobs is not None:
-                logprobs.append(
-                    sampling.token_logprob(r.logprobs, r.token, job.top_logprobs, self._decode)
-                )
-        if r.finish_reason is not None:
-            job.detokenizer.finalize()
-        text, hit_stop = job.feed(job.detokenizer.last_segment, r.finish_reason is not None)
-        finish: EngineFinish | None = "stop" if hit_stop else r.finish_reason
-        calls: list[ToolCall] = []
-        if job.tools is not None:
-            text, calls = job.tools.feed(text, finish is not None)
-        if finish is not None:
+        delta = job.take(r.token, r.logprobs, r.finish_reason, self._eos_ids, self._decode)
+        if delta.finish_reason is not None:
             del lane.jobs[r.uid], self._where[job.job_id]
             if r.finish_reason is None:  # a stop string is ours; the generator's own it dropped
                 kept = lane.take_out(r.uid, keep=self.prompt_cache.enabled)
                 if kept is not None:
                     self.prompt_cache.store(kept[1], kept[0])
-        cached = job.cached_tokens if job.tokens == 1 else None
-        return TokenDelta(job.job_id, text, job.tokens, finish, None, logprobs, calls, cached)
+        return delta
 
     def _decode(self, token: int) -> str:
         return str(self._tokenizer.decode([token]))

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
+from exo_tasks.runner import sampling
 from exo_tasks.runner.prefill_pace import PrefillPace
 from exo_tasks.runner.prompt_cache import Lookup, PromptCache
 from exo_tasks.runner.toolcalls import ToolCallSplitter, held_back
@@ -121,6 +122,32 @@ class LaneJob:
             if shared - other.cached_tokens >= HOLD_MIN_TOKENS:
                 return True
         return False
+
+    def take(
+        self,
+        token: int,
+        logprobs: Any,  # the token's row of log-probabilities
+        finish_reason: EngineFinish | None,  # the generator's
+        eos_ids: frozenset[int],
+        decode: Callable[[int], str],
+    ) -> TokenDelta:
+        """What one sampled token means for the job: its text (held back while it may start a
+        stop string), log-probabilities, tool calls, and its end, a stop string's included."""
+        self.tokens += 1
+        top: list[TokenLogprob] = []
+        if token not in eos_ids:  # EOS is never text, even with ignore_eos
+            self.detokenizer.add_token(token)
+            if self.top_logprobs is not None:
+                top.append(sampling.token_logprob(logprobs, token, self.top_logprobs, decode))
+        if finish_reason is not None:
+            self.detokenizer.finalize()
+        text, hit_stop = self.feed(self.detokenizer.last_segment, finish_reason is not None)
+        finish: EngineFinish | None = "stop" if hit_stop else finish_reason
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text, finish is not None)
+        cached = self.cached_tokens if self.tokens == 1 else None
+        return TokenDelta(self.job_id, text, self.tokens, finish, None, top, calls, cached)
 
     def feed(self, segment: str, final: bool) -> tuple[str, bool]:
         """Take newly decoded text; return the text safe to publish and whether a stop hit."""

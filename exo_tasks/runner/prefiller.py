@@ -39,7 +39,12 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from exo_tasks.runner.prompt_cache import Lookup
 
 if TYPE_CHECKING:
-    from exo_tasks.runner.lane import LaneJob
+    import mlx.core as mx
+
+    from exo_tasks.runner.lane import EngineFinish, LaneJob
+
+    # A job's first token, its log-probabilities, its end if it ended it, the prompt's KV state.
+    First = tuple[int, mx.array, EngineFinish | None, list[Any]]
 
 log = logging.getLogger("exo_tasks.runner.prefiller")
 # How long the runner's step waits for the process when it has nothing else to do.
@@ -54,7 +59,7 @@ class Ready(BaseModel):
 class Prefill(BaseModel):
     kind: Literal["prefill"] = "prefill"
     job_id: str
-    tokens: list[int]  # the prompt but its last token
+    tokens: list[int]  # the whole prompt
 
 
 class Cancel(BaseModel):
@@ -70,7 +75,12 @@ class Progress(BaseModel):
 class Done(BaseModel):
     kind: Literal["done"] = "done"
     job_id: str
-    path: str  # the KV state, mlx-lm's prompt cache file
+    path: str  # the prompt's KV state, mlx-lm's prompt cache file
+    logits_path: str  # the logits at its last token (what its first token is sampled from)
+
+    def remove(self) -> None:
+        for path in (self.path, self.logits_path):
+            Path(path).unlink(missing_ok=True)
 
 
 class Failed(BaseModel):
@@ -129,7 +139,7 @@ class Prefiller:
         """Take `job` if the part of its prompt left to compute is long enough."""
         if not self._alive or len(rest) < self.min_tokens:
             return False
-        if not self._send(Prefill(job_id=job.job_id, tokens=job.prompt[:-1])):
+        if not self._send(Prefill(job_id=job.job_id, tokens=job.prompt)):
             return False
         self._jobs[job.job_id] = job
         log.info("prompt sent to the prefill process", extra={"job_id": job.job_id})
@@ -144,11 +154,11 @@ class Prefiller:
         chunks, self._chunks = self._chunks, 0
         return chunks
 
-    def finished(self, *, idle: bool) -> list[tuple[LaneJob, Path | None]]:
-        """The jobs the process is done with, each with its KV state's file (None: the lane
-        prefills it); `idle`: the engine has nothing else to do, so wait a moment for one
-        rather than spin."""
-        done: list[tuple[LaneJob, Path | None]] = []
+    def finished(self, *, idle: bool) -> list[tuple[LaneJob, Done | None]]:
+        """The jobs the process is done with, each with its files (None: the lane prefills
+        it); `idle`: the engine has nothing else to do, so wait a moment for one rather than
+        spin."""
+        done: list[tuple[LaneJob, Done | None]] = []
         wait_s = IDLE_WAIT_S if idle and self._jobs else 0.0
         with contextlib.suppress(queue.Empty):
             reply = self._replies.get(timeout=wait_s) if wait_s else self._replies.get_nowait()
@@ -159,7 +169,7 @@ class Prefiller:
 
     def _settle(
         self, reply: Ready | Progress | Done | Failed | None
-    ) -> list[tuple[LaneJob, Path | None]]:
+    ) -> list[tuple[LaneJob, Done | None]]:
         if reply is None:  # the process is gone: the lanes prefill its prompts
             if self._alive:
                 log.error("the prefill process exited; lanes prefill its prompts")
@@ -173,17 +183,17 @@ class Prefiller:
             self._chunks += 1
             return []
         job = self._jobs.pop(reply.job_id, None)
-        path = Path(reply.path) if isinstance(reply, Done) else None
+        done = reply if isinstance(reply, Done) else None
         if isinstance(reply, Failed):
             log.error(
                 "the prefill process failed a prompt; its lane prefills it",
                 extra={"job_id": reply.job_id, "error": reply.error},
             )
         if job is None:  # cancelled meanwhile
-            if path is not None:
-                path.unlink(missing_ok=True)
+            if done is not None:
+                done.remove()
             return []
-        return [(job, path)]
+        return [(job, done)]
 
     def _send(self, request: Prefill | Cancel) -> bool:
         stdin = self._process.stdin
@@ -197,22 +207,37 @@ class Prefiller:
         return True
 
     @staticmethod
-    def load(path: Path, job: LaneJob) -> Lookup | None:
-        """The process's KV state of the job's prompt (but its last token) as the lookup its
-        lane starts from (None: unreadable, the lane prefills it); the file is removed. Call it
-        on the lane's thread (an MLX stream is its thread's)."""
+    def first_token(done: Done, job: LaneJob) -> First | None:
+        """The job's first token, sampled from the process's logits as its lane would, and the
+        job set to go on from the process's KV state as from a cached prefix (None: the files
+        were unreadable, the lane prefills the prompt); the files are removed. Call it on the
+        lane's thread (an MLX stream is its thread's)."""
         import mlx.core as mx
         from mlx_lm.models.cache import load_prompt_cache
 
+        from exo_tasks.runner import sampling
+
         try:
-            cache = load_prompt_cache(str(path))  # type: ignore[no-untyped-call]
-            mx.eval([c.state for c in cache])
+            cache = load_prompt_cache(done.path)  # type: ignore[no-untyped-call]
+            logits = mx.load(done.logits_path)
+            assert isinstance(logits, mx.array)
+            mx.eval([c.state for c in cache], logits)
         except Exception:
             log.exception("a prefilled state was unreadable", extra={"job_id": job.job_id})
             return None
         finally:
-            path.unlink(missing_ok=True)
-        return Lookup(cache, job.prompt[-1:], len(job.prompt) - 1)
+            done.remove()
+        processors = job.insert["logits_processors"][0]
+        token, logprobs = sampling.first_token(logits, job.prompt, processors, job.sampler)
+        (max_tokens,) = job.insert["max_tokens"]
+        finish: EngineFinish | None = "length" if max_tokens == 1 else None
+        if job.insert["stop_sequences"][0].matcher().advance(token):
+            finish = "stop"
+        job.prefilled_elsewhere = True
+        if finish is None:
+            job.lookup = Lookup(cache, [token], len(job.prompt))
+            job.insert = {**job.insert, "max_tokens": [max_tokens - 1]}
+        return token, logprobs, finish, cache
 
     def close(self) -> None:
         """Stop the process (its stdin ends: it exits) and remove its files."""
@@ -268,15 +293,17 @@ def serve(model_path: str, directory: Path, step_size: int) -> None:
             done = 0
             while done < len(tokens) and job_id not in cancelled:
                 chunk = tokens[done : done + step_size]
-                model(mx.array(chunk)[None], cache=cache)
-                mx.eval([c.state for c in cache])
+                logits = model(mx.array(chunk)[None], cache=cache)[:, -1, :]
+                mx.eval([c.state for c in cache], logits)
                 done += len(chunk)
                 reply(Progress(job_id=job_id))
             if job_id in cancelled:
                 continue
-            path = directory / f"{uuid.uuid4().hex}.safetensors"
-            save_prompt_cache(str(path), cache)
-            reply(Done(job_id=job_id, path=str(path)))
+            name = directory / uuid.uuid4().hex
+            path, logits_path = f"{name}.safetensors", f"{name}.npy"
+            save_prompt_cache(path, cache)
+            mx.save(logits_path, logits)
+            reply(Done(job_id=job_id, path=path, logits_path=logits_path))
         except Exception as exc:  # noqa: BLE001 (the prompt's failure: its lane tries it)
             reply(Failed(job_id=job_id, error=repr(exc)))
         finally:

@@ -16,6 +16,7 @@ from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    greedy_sampler,
     make_logits_processors,
     make_sampler,
 )
@@ -97,6 +98,20 @@ class Samplers:
                 params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
             )
         return self._shared[setting]
+
+
+def first_token(
+    logits: mx.array, prompt: list[int], processors: list[Any], sampler: Sampler | None
+) -> tuple[int, mx.array]:
+    """A prompt's first token from the logits at its last token, sampled as mlx-lm's generation
+    batch samples a row: the job's logits processors with the prompt as their context, the log
+    softmax, its sampler (None: greedy). The token and its row of log-probabilities."""
+    context = mx.array(prompt)
+    for processor in processors:
+        logits = processor(context, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    token: Any = (sampler or greedy_sampler)(logprobs)  # one row: the token's id
+    return int(token.item()), logprobs[0]
 
 
 def check(params: SamplingParams, vocab_size: int) -> None:
