@@ -156,11 +156,11 @@ def test_while_the_process_computes_one_lane_fewer_steps_at_once(
 
 
 def _eos(loaded: tuple[Any, Any]) -> int:
-    return min(loaded[1].eos_token_ids)
+    return int(min(loaded[1].eos_token_ids))
 
 
 # Ways a job's first token is sampled or ends the job: the process's must be its lane's.
-FIRST_TOKENS = {
+FIRST_TOKENS: dict[str, dict[str, Any]] = {
     "seeded, penalised, with logprobs": {
         "max_tokens": 12,
         "temperature": 0.9,
@@ -181,7 +181,8 @@ def test_a_first_token_from_the_process_is_the_one_its_lane_samples(
     """The job's first token, sampled in the runner from the process's logits, and all that
     follows from it (text, log-probabilities, its end) are what the lane gives the same job
     with no prefill process."""
-    params = FIRST_TOKENS.get(case) or {"max_tokens": 12, "logit_bias": {_eos(tiny_loaded): 100}}
+    eos_first = {"max_tokens": 12, "logit_bias": {_eos(tiny_loaded): 100}}
+    params = FIRST_TOKENS.get(case) or eos_first
     took = _loads(monkeypatch)
     runs = []
     for process in (prefiller, None):
