@@ -10,8 +10,13 @@ one process are no way out either: a thread decoding beside another prefilling s
 1.6-1.9 s a step (MLX, measured), where two processes ran as fast side by side as alone (a
 decode step 164 ms against 162, prefill 62.7 tokens/s against 63.3). So a prompt whose part to
 compute is long enough goes to this process, which holds a copy of the model (its memory, once
-more), computes the prompt's KV state but for its last token and hands it back through a file;
-the job then joins its lane as a prompt cache hit would, and the lane computes one token.
+more), computes the whole prompt and hands back its KV state and the logits at its last token
+through files. The runner samples the job's first token from those logits as the job's lane
+would; a job that token does not end joins its lane from there, as from a cached prefix. So a
+lane never computes a long prompt's last token (one forward pass over the whole prompt's cache,
+the step every decoding job of the lane waits for), and a one-token job never joins a lane.
+While the process computes, the lanes step one fewer at a time (`BatchEngine`): it keeps a core
+busy as a lane does.
 
 Nothing is lost on the way: a prompt the process could not do (it failed, or is gone) is
 prefilled by its lane as before. The process reads its requests on stdin; when the runner
@@ -290,19 +295,21 @@ def serve(model_path: str, directory: Path, step_size: int) -> None:
         job_id, tokens = request.job_id, request.tokens
         try:
             cache = make_prompt_cache(model)
-            done = 0
+            done, output = 0, None
             while done < len(tokens) and job_id not in cancelled:
                 chunk = tokens[done : done + step_size]
-                logits = model(mx.array(chunk)[None], cache=cache)[:, -1, :]
-                mx.eval([c.state for c in cache], logits)
+                output = model(mx.array(chunk)[None], cache=cache)
+                mx.eval([c.state for c in cache])  # the cache only: no pass of the model's head
                 done += len(chunk)
                 reply(Progress(job_id=job_id))
             if job_id in cancelled:
                 continue
+            if output is None:
+                raise ValueError("an empty prompt")
             name = directory / uuid.uuid4().hex
             path, logits_path = f"{name}.safetensors", f"{name}.npy"
             save_prompt_cache(path, cache)
-            mx.save(logits_path, logits)
+            mx.save(logits_path, output[:, -1, :])  # the head's one pass: the last chunk's
             reply(Done(job_id=job_id, path=path, logits_path=logits_path))
         except Exception as exc:  # noqa: BLE001 (the prompt's failure: its lane tries it)
             reply(Failed(job_id=job_id, error=repr(exc)))
