@@ -4,7 +4,8 @@ The runner process owns the model and drives `BatchEngine.step()` in its loop; j
 and removed between steps, while others are mid-generation. Not thread-safe: one caller only.
 
 Jobs are spread over lanes: each lane is one BatchGenerator on its own MLX stream, driven by
-its own thread (lane 0 by the caller's), and a step runs every lane at once. On a GPU one lane
+its own thread (lane 0 by the caller's), and a step runs every lane at once (but one, while a
+prefill process computes a prompt beside them: `_parallel_lanes`). On a GPU one lane
 is best (it is one device). On the CPU, MLX runs a stream's operations one after another on
 one thread, so a single batch keeps one core busy however many there are; lanes keep them all
 busy.
@@ -220,8 +221,8 @@ class BatchEngine:
                 lane.take_out(job.uid, keep=False)
 
     def step(self) -> list[TokenDelta]:
-        """Run one prefill/decode step of every lane at once; one delta per job that sampled a
-        token."""
+        """Run one prefill/decode step of every lane; one delta per job that sampled a token
+        (a first token from the prefill process included)."""
         first = self._rejoin(self._prefiller) if self._prefiller is not None else []
         deltas = first + self.admit_waiting() + self.advance(self.prefill_sizes())
         if self._prefiller is not None:
@@ -241,8 +242,8 @@ class BatchEngine:
                 continue
             token, logprobs, finish, cache = first
             delta = job.take(token, logprobs, finish, self._eos_ids, self._decode)
-            if isinstance(job.sampler, sampling.GuardedSampler) and job.sampler.error:
-                delta = TokenDelta(job.job_id, "", 0, None, job.sampler.error)
+            if job.sampler_error:
+                delta = TokenDelta(job.job_id, "", 0, None, job.sampler_error)
             deltas.append(delta)
             if delta.finish_reason is None and delta.error is None:
                 lane.waiting.appendleft(job)
@@ -329,8 +330,8 @@ class BatchEngine:
                 log.exception("decoding a job's token failed")
                 deltas.extend(self._fail(lane, [r.uid], f"decoding failed: {exc!r}"))
         for uid, job in list(lane.jobs.items()):
-            if isinstance(job.sampler, sampling.GuardedSampler) and job.sampler.error:
-                deltas.extend(self._fail(lane, [uid], job.sampler.error))
+            if job.sampler_error:
+                deltas.extend(self._fail(lane, [uid], job.sampler_error))
         return deltas
 
     def _lane_failed(self, lane: Lane, exc: Exception) -> list[TokenDelta]:

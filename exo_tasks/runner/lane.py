@@ -123,6 +123,11 @@ class LaneJob:
                 return True
         return False
 
+    @property
+    def sampler_error(self) -> str | None:
+        """What its own sampler raised, if it did (sampling.GuardedSampler)."""
+        return self.sampler.error if isinstance(self.sampler, sampling.GuardedSampler) else None
+
     def take(
         self,
         token: int,

@@ -272,7 +272,8 @@ def _read_replies(stdout: IO[bytes], replies: queue.SimpleQueue[Any]) -> None:
 
 
 def serve(model_path: str, directory: Path, step_size: int) -> None:
-    """Prefill each prompt asked for, in order, a chunk of `step_size` tokens at a time."""
+    """Prefill each prompt asked for, in order, a chunk of `step_size` tokens at a time; hand
+    back its KV state and the logits at its last token."""
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever else prints goes to the log, not into the replies
     import mlx.core as mx
