@@ -29,9 +29,10 @@ def entry_time(entry_id: str) -> datetime:
 
 
 def with_progress(job: JobRecord, events: list[tuple[str, JobEvent]], now: datetime) -> JobRecord:
-    """A running job with `usage.completion_tokens`, `output.text` and `timings` (queue, TTFT,
-    tokens/s) of its current attempt so far; any other job as it is. Counted as the finished
-    job's are (JobRecord.ended), except that TTFT is taken from the first token's stream entry."""
+    """A running job with `usage.completion_tokens`, `output.text`, `first_token_at` and
+    `timings` (queue, TTFT, tokens/s) of its current attempt so far; any other job as it is.
+    Counted as the finished job's are (JobRecord.ended), except that the first token's time is
+    its stream entry's."""
     if job.status != JobStatus.RUNNING:
         return job
     texts: list[str] = []
@@ -57,4 +58,5 @@ def with_progress(job: JobRecord, events: list[tuple[str, JobEvent]], now: datet
         prompt_tokens=prompt_tokens, completion_tokens=tokens, total_tokens=prompt_tokens + tokens
     )
     output = JobOutput(text="".join(texts))
-    return job.model_copy(update={"output": output, "usage": usage, "timings": timings})
+    progress = {"output": output, "usage": usage, "timings": timings, "first_token_at": first_at}
+    return job.model_copy(update=progress)

@@ -16,6 +16,7 @@ import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import psutil
@@ -484,6 +485,10 @@ def test_a_running_job_shows_its_tokens_text_and_timings_so_far(stack: Stack) ->
     assert output["text"] and final["output"]["text"].startswith(output["text"])
     assert timings["ttft_ms"] is not None and timings["ttft_ms"] >= 0
     assert timings["tokens_per_s"] is not None and timings["tokens_per_s"] > 0
+    # Its first token's stream entry (written just after the step the runner times it at).
+    assert job["first_token_at"] is not None
+    running_at = datetime.fromisoformat(str(job["first_token_at"]))
+    assert abs(running_at - datetime.fromisoformat(final["first_token_at"])) < timedelta(seconds=1)
     mine = [j for j in listed if j["id"] == job_id]
     assert mine and mine[0]["usage"]["completion_tokens"] >= 20, listed
     assert mine[0]["timings"]["tokens_per_s"] is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from exo_tasks.progress import with_progress
+from exo_tasks.progress import entry_time, with_progress
 from exo_tasks.types import JobEvent, JobStatus, RequeuedEvent, TokenEvent, utcnow
 from tests.unit.fakes import new_job
 
@@ -20,6 +20,8 @@ def test_progress_counts_tokens_not_text_events() -> None:
     now = started + timedelta(seconds=1)
     progress = with_progress(job, events, now)
     assert progress.usage.completion_tokens == 5 and progress.output.text == "aaa"
+    assert progress.first_token_at == entry_time(events[0][0])
+    assert progress.timings.ttft_ms is not None
 
     # A requeue starts the count again.
     requeued = [
@@ -27,4 +29,5 @@ def test_progress_counts_tokens_not_text_events() -> None:
         ("9-0", RequeuedEvent(attempt=2)),
         ("10-0", TokenEvent(index=0, text="b", tokens=1)),
     ]
-    assert with_progress(job, requeued, now).usage.completion_tokens == 1
+    again = with_progress(job, requeued, now)
+    assert again.usage.completion_tokens == 1 and again.first_token_at == entry_time("10-0")
