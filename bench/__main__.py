@@ -27,6 +27,7 @@ from bench import (
     frontdoor,
     ha,
     instances,
+    memory,
     overhead,
     prefix,
     report,
@@ -44,6 +45,7 @@ log = logging.getLogger("bench")
 SECTIONS: dict[str, Callable[[Lab, Config, Results], None]] = {
     "throughput": throughput.run,  # also TTFT and warm vs cold
     "overhead": overhead.run,
+    "memory": memory.run,
     "stopping": stopping.run,
     "scale": scale.run,
     "batch": batch.run,
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     run["other_pytest_processes_at_end"] = other_pytests()
     report.set_targets(results)
     overhead.set_targets(results)
+    memory.set_targets(results)
     stallfree.set_targets(results)
     prefix.set_targets(results)
     instances.set_targets(results)

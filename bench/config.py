@@ -27,6 +27,7 @@ class Config:
     batch_lines: int = 2000
     ha_drain_jobs: int = 1000  # per repeat and Redis, 1-token jobs sent by 8 senders at once
     stall_prompt_tokens: int = 7000  # each long prompt of the stall-free section
+    memory_jobs: int = 300  # the burst before the memory section's later readings
 
     def quick(self) -> Config:
         return Config(
@@ -42,4 +43,5 @@ class Config:
             batch_lines=300,
             ha_drain_jobs=200,
             stall_prompt_tokens=600,
+            memory_jobs=60,
         )

@@ -1,9 +1,12 @@
 """Memory beside the model: PSS (proportional set size, `/proc/<pid>/smaps_rollup`) of every
-process of a default stack (`exo-tasks up`), by role, idle after one job and again after many.
+process of a default stack (`exo-tasks up`), by role, idle after one job, again after many, and
+once the pool has shrunk back after them.
 
-`python -m bench.memory [--jobs 300]` starts the stack in a data dir of its own (the `chat`
-model copied in from `--model-from` when given, else made by the worker), on free ports, and
-stops it at the end. Linux only (smaps_rollup).
+`make bench` runs it as its section `memory` (the targets of issue 32: a worker host <= 300 MiB
+and the whole stack <= 600 MiB, the runner left out, idle). `python -m bench.memory [--jobs 300]`
+runs it alone and prints each process's figures. Either starts the stack in a data dir of its
+own (the `chat` model copied in from `--model-from` when given, else made by the worker), on
+free ports, and stops it at the end. Linux only (smaps_rollup).
 """
 
 from __future__ import annotations
@@ -24,11 +27,22 @@ from pathlib import Path
 import psutil
 import requests
 
+from bench.config import Config
+from bench.contenders import Lab
+from bench.results import EXO, Results, Target
+
 IDLE_S = 3.0
+# Celery's autoscaler stops idle pool children once no task came for 30 s; it looks every 30 s.
+SHRUNK_S = 65.0
 READY_S = 180.0
 JOB = {"prompt": "hello", "max_tokens": 8}
 # The roles that make a worker host; the runner is left out (its model and MLX).
 HOST_ROLES = ("pool children", "batch feeder", "worker main", "resource tracker")
+SECTION = "memory"
+CLIENTS = 16
+# Issue 32's bounds, on a host and a stack at rest (the readings with "idle" in their names).
+HOST_MIB = 300.0
+STACK_MIB = 600.0
 
 
 def _free_port() -> int:
@@ -158,35 +172,77 @@ def wait_ready(api: str, launcher: subprocess.Popen[bytes]) -> None:
     raise SystemExit("the stack was not ready in time")
 
 
-def start_stack(data_dir: Path, model_from: Path | None) -> tuple[subprocess.Popen[bytes], str]:
+def stack_argv_env(
+    data_dir: Path, model_from: Path | None
+) -> tuple[list[str], dict[str, str], str]:
+    """`exo-tasks up` in `data_dir` on free ports: its command, environment and API's URL."""
     if model_from is not None:
         shutil.copytree(model_from, data_dir / "models" / "chat")
     ports = {name: _free_port() for name in ("EXO_REDIS_PORT", "EXO_API_PORT", "EXO_FLOWER_PORT")}
     env = {**os.environ, "EXO_DATA_DIR": str(data_dir), **{k: str(v) for k, v in ports.items()}}
     exo = Path(sys.executable).parent / "exo-tasks"
-    launcher = subprocess.Popen(
-        [str(exo), "up"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    return launcher, f"http://127.0.0.1:{ports['EXO_API_PORT']}"
+    return [str(exo), "up"], env, f"http://127.0.0.1:{ports['EXO_API_PORT']}"
+
+
+def readings(
+    launcher: subprocess.Popen[bytes], api: str, jobs: int, clients: int
+) -> dict[str, dict[str, float]]:
+    """The stack's figures by role, idle after one job, right after `jobs` more, and once the
+    pool has shrunk back (Celery's autoscaler keeps a burst's children 30-60 s)."""
+    wait_ready(api, launcher)
+    print("first job:", run_job(api))
+    time.sleep(IDLE_S)
+    taken = {"idle after one job": report("idle after one job", measure(launcher.pid))}
+    if jobs:
+        print(f"\n{jobs} jobs:", run_jobs(api, jobs, clients))
+        time.sleep(IDLE_S)
+        title = f"right after {jobs} more jobs"
+        taken[title] = report(title, measure(launcher.pid))
+        time.sleep(SHRUNK_S - IDLE_S)
+        title = f"idle {SHRUNK_S:.0f} s after them"
+        taken[title] = report(title, measure(launcher.pid))
+    return taken
+
+
+def run(lab: Lab, config: Config, results: Results) -> None:
+    """The section: one default stack, the `tiny` model as its `chat` (the runner is left out)."""
+    processes, directory = lab.group("exo-memory")
+    argv, env, api = stack_argv_env(directory / "data", config.tiny_model)
+    launcher = processes.start(argv, env, directory / "stack.log")
+    try:
+        taken = readings(launcher, api, config.memory_jobs, CLIENTS)
+    finally:
+        lab.stop(processes)
+    for when, totals in taken.items():
+        results.sample(SECTION, f"worker host, {when}", EXO, "MiB", totals["host"])
+        results.sample(SECTION, f"whole stack, {when}", EXO, "MiB", totals["stack"])
+
+
+def set_targets(results: Results) -> None:
+    """Issue 32: at rest, a worker host <= 300 MiB and the whole stack <= 600 MiB, the runner
+    (its model and caches) left out."""
+    for row in results.measurements:
+        if row.section != SECTION or "idle" not in row.name:
+            continue
+        bound = HOST_MIB if row.name.startswith("worker host") else STACK_MIB
+        results.targets.append(
+            Target(f"{row.name} <= {bound:.0f} MiB", row, None, "<=", bound, "MiB")
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__)
-    parser.add_argument("--jobs", type=int, default=300, help="jobs before the second reading")
-    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--jobs", type=int, default=Config.memory_jobs, help="the burst's jobs")
+    parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--model-from", type=Path, default=None, help="a made `chat` model")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="exo-memory-") as tmp:
-        launcher, api = start_stack(Path(tmp), args.model_from)
+        argv, env, api = stack_argv_env(Path(tmp), args.model_from)
+        launcher = subprocess.Popen(
+            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         try:
-            wait_ready(api, launcher)
-            print("first job:", run_job(api))
-            time.sleep(IDLE_S)
-            report("idle after one job", measure(launcher.pid))
-            if args.jobs:
-                print(f"\n{args.jobs} jobs:", run_jobs(api, args.jobs, args.clients))
-                time.sleep(IDLE_S)
-                report(f"idle after {args.jobs + 1} jobs", measure(launcher.pid))
+            readings(launcher, api, args.jobs, args.clients)
         finally:
             launcher.send_signal(signal.SIGTERM)
             try:

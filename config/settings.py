@@ -104,6 +104,13 @@ class Settings(BaseSettings):
 
     # The worker.
     worker_concurrency: int = 34  # pool children: up to a full batch of 32, plus control tasks
+    worker_idle_concurrency: int = Field(
+        2,
+        ge=1,
+        description="Pool children kept while the host is idle: the pool grows as jobs arrive, "
+        "up to EXO_WORKER_CONCURRENCY, and shrinks back after 30 s without a new task "
+        "(Celery's autoscaler). Each child holds ~6 MiB of its own, ~12 once it has run a task.",
+    )
     worker_soft_shutdown_s: float = 30.0
     stack_drain_s: float = Field(
         1.0,

@@ -13,6 +13,7 @@ from typing import Any
 from exo_tasks import jobs
 from exo_tasks.modelgen import create_model
 from exo_tasks.naming import host_queue
+from exo_tasks.prefix_routing import last_host, prompt_digests
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.store import job_key
 from exo_tasks.types import JobRecord, JobRequest
@@ -218,12 +219,19 @@ def test_a_high_priority_job_overtakes_queued_normal_ones(stack: Stack, fleet: T
 
 
 def first_turn(api: Api, index: int, host: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A conversation's first turn, run on `host`: its job, and the messages of its second."""
+    """A conversation's first turn, run on `host`: its job, and the messages of its second,
+    once the map of prefixes names `host` for them (the pool child records it after the
+    runner has ended the job)."""
     messages = [{"role": "user", "content": f"Conversation {index}: what is a job queue?"}]
     job = api.wait_job(api.submit(messages=messages, max_tokens=8, model="alpha", host=host))
     assert job["status"] == "succeeded"
     answer = {"role": "assistant", "content": job["output"]["text"]}
-    return job, [*messages, answer, {"role": "user", "content": "And what is a host?"}]
+    second = [*messages, answer, {"role": "user", "content": "And what is a host?"}]
+    digests = prompt_digests(JobRequest.model_validate({"messages": second, "model": "alpha"}))
+    store = api.app.extensions["exo"].store
+    named = lambda: last_host(store.hosts.prefix_hosts("alpha", digests)) == host  # noqa: E731
+    wait_until(named, 10, f"the prefixes of conversation {index} recorded for {host}")
+    return job, second
 
 
 def routed(before: Samples, after: Samples, outcome: str) -> float:

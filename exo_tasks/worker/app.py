@@ -246,14 +246,21 @@ def _shut_down(mode: str) -> dict[str, str]:
 
 
 def worker_argv(settings: Settings, concurrency: int | None = None) -> list[str]:
-    """The `celery worker` options for this host: its node name and its queues."""
+    """The `celery worker` options for this host: its node name, its queues and its pool."""
     queues = [host_queue(settings.hostname)] + [
         model_queue(model_slug(m)) for m in settings.served_models
     ]
+    most = concurrency or settings.worker_concurrency
+    # A running job holds its pool child (DESIGN: a pool child runs each task), so the pool is a
+    # batch wide at most; idle, it keeps a few. The autoscaler forks a child as a task arrives
+    # that finds none free, and stops idle ones 30-60 s after the last task came.
+    idle = min(settings.worker_idle_concurrency, most)
+    pool = [f"--autoscale={most},{idle}"] if idle < most else []
     return [
         f"--hostname={node_name(settings.hostname)}",
         f"--queues={','.join(queues)}",
-        f"--concurrency={concurrency or settings.worker_concurrency}",
+        f"--concurrency={most}",
+        *pool,
         f"--loglevel={settings.log_level}",
         "--pool=prefork",
         "--without-mingle",

@@ -36,6 +36,7 @@ LANES: dict[str, tuple[str, ...]] = {
         "tests/test_front_door.py",
         "tests/test_cancel.py",
         "tests/test_control.py",
+        "tests/test_pool_size.py",
     ),
     # Modules with workers of their own (CPU, beside the others' waiting), then the session's
     # stack and, last, its fleet.

@@ -40,7 +40,6 @@ def worker_env(
             "EXO_HOSTNAME": host,
             "EXO_MODELS": ",".join(str(m) for m in models),
             "EXO_DATA_DIR": str(data_dir),
-            "EXO_WORKER_CONCURRENCY": "10",
             "PYTHONUNBUFFERED": "1",
         }
     )
