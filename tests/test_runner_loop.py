@@ -160,6 +160,9 @@ def test_a_burst_is_gathered_up_to_a_prefill_batch(
     assert len(runner.in_flight.jobs) == 11 and time.monotonic() - started < 0.5
 
 
+REFUSAL_S = 0.03
+
+
 def test_a_flood_of_slow_refusals_is_taken_over_rounds_each_with_a_step(
     runner: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,22 +173,22 @@ def test_a_flood_of_slow_refusals_is_taken_over_rounds_each_with_a_step(
     runner.in_flight.admit(decoding)
 
     def slow_encode(prompt: str | None, messages: Any, tools: Any = None) -> list[int]:
-        time.sleep(0.03)
+        time.sleep(REFUSAL_S)
         return [1] * 101  # over the cap of 100
 
     monkeypatch.setattr(engine_of(runner), "encode", slow_encode)
     for _ in range(30):
         runner.commands.put(submit())
     steps = store_of(runner).steps
+    # Each refusal takes REFUSAL_S at least: a round takes as many as fit in the budget, and the
+    # one under way when it ran out (counted, not timed: a loaded machine only makes them fewer).
+    most = int(runner_module.COMMANDS_BUDGET_S / REFUSAL_S) + 1
     while not runner.commands.empty():
-        started = time.monotonic()
         runner._serve_once()
-        # The budget, and the command under way when it ran out.
-        assert time.monotonic() - started < runner_module.COMMANDS_BUDGET_S + 0.03 + 0.05
         runner.outbox.drain()  # the round's writes, in the store
         tokens, endings = steps[-1]
         assert [job_id for job_id, _ in tokens] == [decoding.job.id]  # the batch stepped
-        assert 1 <= len(endings) < 30
+        assert 1 <= len(endings) <= most
     runner._flush()
     runner.outbox.drain()
     refused = [job for _, endings in steps for job in endings]
