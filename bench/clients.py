@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ class Trace:
     ended: float | None = None
     completion_tokens: int | None = None  # as the server counted them (usage)
     error: str | None = None
+    # Set to end the request early, at its next token: exo_tasks's client cancels the job,
+    # mlx_lm.server's disconnects (its handler's failed write stops the generation).
+    stop: threading.Event = field(default_factory=threading.Event)
 
     @property
     def ttft_s(self) -> float | None:
@@ -74,6 +78,7 @@ class ExoClient:
     """`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` until the `done` (or `error`) event."""
 
     def __init__(self, base_url: str, **job: Any) -> None:
+        self.base_url = base_url
         self.http = Connection(base_url)
         self.job = job  # extra job fields, e.g. ignore_eos
 
@@ -86,14 +91,17 @@ class ExoClient:
             if created.status != 202:
                 raise RuntimeError(f"POST /v1/jobs: {created.status} {reply}")
             stream = self.http.open("GET", f"/v1/jobs/{reply['id']}/stream")
+            cancelled = False
             for event in sse.events(_lines(stream)):
                 if event["event"] == "token":
                     trace.token_times.append(time.monotonic())
+                    if trace.stop.is_set() and not cancelled:
+                        cancelled = self._cancel(reply["id"])
                 elif event["event"] in ("done", "error"):
                     trace.ended = time.monotonic()
                     job = event["data"]
                     trace.completion_tokens = job["usage"]["completion_tokens"]
-                    if job["status"] != "succeeded":
+                    if job["status"] != "succeeded" and not cancelled:
                         trace.error = f"job {job['status']}: {job['error']}"
                     break
             stream.read()  # the end of the chunked body, so the connection can be reused
@@ -102,6 +110,13 @@ class ExoClient:
         except REQUEST_ERRORS as exc:
             trace.error = trace.error or f"{type(exc).__name__}: {exc}"
             self.http.reset()
+
+    def _cancel(self, job_id: str) -> bool:
+        http = Connection(self.base_url)
+        try:
+            return bool(http.open("POST", f"/v1/jobs/{job_id}/cancel", {}).status == 202)
+        finally:
+            http.conn.close()
 
 
 class MlxServerClient:
@@ -132,6 +147,10 @@ class MlxServerClient:
                     trace.completion_tokens = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"] and chunk["choices"][0].get("text"):
                     trace.token_times.append(time.monotonic())
+                    if trace.stop.is_set():
+                        trace.ended = time.monotonic()
+                        self.http.reset()
+                        return
             response.read()
             if trace.ended is None:
                 raise RuntimeError("the stream ended before the completion did")

@@ -4,7 +4,8 @@ mlx_lm.server. Rows: each stream's p99 gap between tokens (the median over the s
 the long prompts arriving and without them, and the long prompts' TTFT (p50) beside the streams
 and alone. The streams are long enough to outlast the prompts' prefill (their length is taken
 from the prompts' TTFT alone); gaps are counted from when the prompts are sent until the last
-one's first token. A stream's gaps grow with its own cache, so the gaps without the prompts are
+one's first token, and there the streams end (cancelled on exo_tasks, disconnected from
+mlx_lm.server). A stream's gaps grow with its own cache, so the gaps without the prompts are
 measured twice: a short probe's, and the same streams' alone over the same positions (as many
 tokens as they decoded beside the prompts).
 """
@@ -107,6 +108,8 @@ def _measure(
     sent = time.monotonic()
     beside = _together(client, [(p, 1) for p in prompts["Beside"]])
     until = max((t.token_times[0] for t in beside if t.token_times), default=time.monotonic())
+    for trace in streams:  # their gaps are counted up to here; decoding on costs the run time
+        trace.stop.set()
     for thread in threads:
         thread.join()
     sample = results.sample
