@@ -53,10 +53,11 @@ class Client(Protocol):
 class Connection:
     """One keep-alive connection (re-opened after an error or a server-side close)."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, timeout_s: float = TIMEOUT_S) -> None:
         parts = urlsplit(base_url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT_S)
+        self.timeout_s = timeout_s  # of each read: the longest silence a request may keep
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
 
     def open(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         payload = json.dumps(body).encode() if body is not None else None
@@ -66,7 +67,7 @@ class Connection:
 
     def reset(self) -> None:
         self.conn.close()
-        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT_S)
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
 
 
 def _lines(response: Any) -> Iterator[str]:
@@ -126,8 +127,9 @@ class MlxServerClient:
     scaled down), and the tokens counted are the ones the server reports in `usage`.
     """
 
-    def __init__(self, base_url: str) -> None:
-        self.http = Connection(base_url)
+    def __init__(self, base_url: str, timeout_s: float = TIMEOUT_S) -> None:
+        # It sends nothing before a completion's first token: `timeout_s` must outlast a prefill.
+        self.http = Connection(base_url, timeout_s)
 
     def run(self, trace: Trace, prompt: str, max_tokens: int) -> None:
         body = {

@@ -36,6 +36,10 @@ EXO_PREFILL_PROCESS = "exo_tasks, prefill process"
 PREFILL_PROCESS_MIN_TOKENS = 512
 PROBE_TOKENS = 32  # a stream's length while its pace is measured, without the long prompts
 SAME_LENGTHS = "stream p99 gap, without the long prompts, at the same lengths"
+# mlx_lm.server sends a completion nothing before its first token: on the full workload the four
+# prompts alone took over 5 minutes to a first token, beside the streams longer (a default read
+# timeout, 300 s, failed them).
+PREFILL_SILENCE_S = 3600.0
 
 
 def run(lab: Lab, config: Config, results: Results) -> None:
@@ -60,7 +64,7 @@ def run(lab: Lab, config: Config, results: Results) -> None:
 def _start(lab: Lab, config: Config, contender: str) -> tuple[Callable[[], Client], Processes]:
     if contender == MLX_SERVER:
         server = start_mlx_server(lab, "mlx-stall", config.bench_model)
-        return lambda: MlxServerClient(server.url), server.processes
+        return lambda: MlxServerClient(server.url, PREFILL_SILENCE_S), server.processes
     # Without jobs decoding, a step prefills 256 tokens: on a loaded machine one such step of a
     # 7,000-token prompt's end can near the 60 s stall limit, which guards against hangs only.
     # The prompts alone share one lane, one after another: ~215 s each on a quiet 2-core
