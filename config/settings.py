@@ -108,7 +108,7 @@ class Settings(BaseSettings):
         2,
         ge=1,
         description="Pool children kept while the host is idle: the pool grows as jobs arrive, "
-        "up to EXO_WORKER_CONCURRENCY, and shrinks back after 30 s without a new task "
+        "up to EXO_WORKER_CONCURRENCY, and shrinks back 30-60 s after the last task came "
         "(Celery's autoscaler). Each child holds ~6 MiB of its own, ~12 once it has run a task.",
     )
     worker_soft_shutdown_s: float = 30.0

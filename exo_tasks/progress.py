@@ -58,5 +58,5 @@ def with_progress(job: JobRecord, events: list[tuple[str, JobEvent]], now: datet
         prompt_tokens=prompt_tokens, completion_tokens=tokens, total_tokens=prompt_tokens + tokens
     )
     output = JobOutput(text="".join(texts))
-    progress = {"output": output, "usage": usage, "timings": timings, "first_token_at": first_at}
-    return job.model_copy(update=progress)
+    so_far = {"output": output, "usage": usage, "timings": timings, "first_token_at": first_at}
+    return job.model_copy(update=so_far)
