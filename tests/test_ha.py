@@ -132,9 +132,10 @@ def test_a_sentinel_lost_costs_nothing_and_two_still_fail_over(
     client = connect(url)
     assert client.info("server")["tcp_port"] == settings.redis_port + 1
     assert client.get("after the master") == "1"
-    assert server_process(again.pid, settings.redis_port).is_running()
     password = redis_password(settings.data_dir / "redis")
     wait_until(lambda: _role(settings.redis_port, password) == "slave", 10, "the other a replica")
+    # Once it answers: until then its title may still be its command line, not its address.
+    assert server_process(again.pid, settings.redis_port).is_running()
 
 
 def _measure_replication(master: Any, replica: Any, replica_process: psutil.Process) -> None:
