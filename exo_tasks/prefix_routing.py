@@ -6,16 +6,19 @@ cache miss, never a wrong answer.
 
 A prompt's prefixes are named by digests: for a chat, one after each message; for text, one
 after each CHUNK_CHARS characters (a prefix ending mid-chunk is not named). Pure: the API and
-the pool children compute digests here; exo_tasks.store keeps the map."""
+the runners compute digests here; exo_tasks.store keeps the map."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from exo_tasks.fleet import Fleet
 from exo_tasks.naming import runner_id_for
 from exo_tasks.types import ChatMessage, JobRequest
+
+if TYPE_CHECKING:  # a runner computes digests too, and needs nothing of the fleet
+    from exo_tasks.fleet import Fleet
 
 CHUNK_CHARS = 256
 

@@ -24,11 +24,14 @@ from tests.support.stack import Stack, TwoHosts
 from tests.support.workers import (
     Worker,
     new_worker,
+    pool_children,
     runner_state,
     start_worker,
     wait_runner_ready,
 )
 
+# Long enough to freeze the job's pool child after its first token: 2-7 s of the tiny model.
+UNTIL_FROZEN = {"max_tokens": 4000, "ignore_eos": True}
 LONG_ON_X = {
     "prompt": "long",
     "max_tokens": 4000,
@@ -219,19 +222,21 @@ def test_a_high_priority_job_overtakes_queued_normal_ones(stack: Stack, fleet: T
 
 
 def first_turn(api: Api, index: int, host: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A conversation's first turn, run on `host`: its job, and the messages of its second,
-    once the map of prefixes names `host` for them (the pool child records it after the
-    runner has ended the job)."""
+    """A conversation's first turn, run on `host`: its job, and the messages of its second."""
     messages = [{"role": "user", "content": f"Conversation {index}: what is a job queue?"}]
     job = api.wait_job(api.submit(messages=messages, max_tokens=8, model="alpha", host=host))
     assert job["status"] == "succeeded"
     answer = {"role": "assistant", "content": job["output"]["text"]}
     second = [*messages, answer, {"role": "user", "content": "And what is a host?"}]
-    digests = prompt_digests(JobRequest.model_validate({"messages": second, "model": "alpha"}))
-    store = api.app.extensions["exo"].store
-    named = lambda: last_host(store.hosts.prefix_hosts("alpha", digests)) == host  # noqa: E731
-    wait_until(named, 10, f"the prefixes of conversation {index} recorded for {host}")
+    # The runner wrote it with the job's end: no wait, or a client's next turn would race it.
+    assert next_turns_host(api, second) == host
     return job, second
+
+
+def next_turns_host(api: Api, messages: list[dict[str, Any]]) -> str | None:
+    """The host the map of prefixes names for a turn of these messages of alpha."""
+    digests = prompt_digests(JobRequest.model_validate({"messages": messages, "model": "alpha"}))
+    return last_host(api.app.extensions["exo"].store.hosts.prefix_hosts("alpha", digests))
 
 
 def routed(before: Samples, after: Samples, outcome: str) -> float:
@@ -270,6 +275,36 @@ def test_the_next_turn_of_a_conversation_runs_on_the_host_that_ran_the_last(
         cached = job["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= first["usage"]["prompt_tokens"] - 1, (cached, first["usage"])
     assert routed(before, scrape(stack.api.url), "routed") == len(hosts)
+
+
+def test_a_turns_host_is_recorded_by_its_runner_with_its_end_while_its_task_is_frozen(
+    stack: Stack, fleet: TwoHosts
+) -> None:
+    """The pool child that follows a job used to record its prefixes after it saw the end, so a
+    client that sent its next turn at once could be routed without them. Frozen here from the
+    job's first token until the job has ended, it records nothing: the runner did, with the
+    end."""
+    messages = [{"role": "user", "content": "Conversation 30: what does a pool child hold?"}]
+    job_id = stack.api.submit(messages=messages, model="alpha", host="fleet-x", **UNTIL_FROZEN)
+    streamed = lambda: stack.store.streams.streamed_text(job_id)[1] > 0  # noqa: E731
+    wait_until(streamed, 30, "the job's first token")
+    children = pool_children(fleet.x)
+    for child in children:
+        child.suspend()
+    try:
+        frozen = stack.store.jobs.get(job_id)
+        assert frozen is not None and frozen.status == "running", "it ended before the freeze"
+        job = stack.api.wait_job(job_id)
+        assert job["status"] == "succeeded" and job["host"] == "fleet-x"
+        answer = {"role": "assistant", "content": job["output"]["text"]}
+        second = [*messages, answer, {"role": "user", "content": "And what is a host?"}]
+        assert next_turns_host(stack.api, second) == "fleet-x"
+    finally:
+        for child in children:
+            child.resume()
+    wait_until(functools.partial(host_is_idle, stack, "fleet-x"), 10, "fleet-x idle")
+    job = stack.api.wait_job(stack.api.submit(messages=second, max_tokens=8, model="alpha"))
+    assert job["status"] == "succeeded" and job["host"] == "fleet-x"
 
 
 def test_a_hosts_published_load_follows_its_jobs_within_a_second(

@@ -7,28 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psutil
-
 from config.settings import Settings
 from exo_tasks.naming import runner_id_for
 from tests.support.processes import Processes, wait_until
 from tests.support.stack import LONG, Stack, new_worker
-from tests.support.workers import Worker
+from tests.support.workers import pool_children
 
 HOST = "host-pool"
 BURST = 12
 RUNNING_WITHIN_S = 30.0
-
-
-def _pool_children(worker: Worker) -> list[psutil.Process]:
-    """The worker's pool children: forks of its main process (same command line), less the
-    batch feeder; the runner and multiprocessing's resource tracker are spawned."""
-    main = psutil.Process(worker.process.pid)
-    return [
-        child
-        for child in main.children()
-        if child.cmdline() == main.cmdline() and child.name() != "exo-feeder"
-    ]
 
 
 def test_an_idle_worker_keeps_two_pool_children_and_a_burst_runs_at_once(
@@ -36,7 +23,7 @@ def test_an_idle_worker_keeps_two_pool_children_and_a_burst_runs_at_once(
 ) -> None:
     defaults = Settings()
     worker = new_worker(stack, processes, tiny_model, tmp_path, HOST)
-    assert len(_pool_children(worker)) == defaults.worker_idle_concurrency == 2
+    assert len(pool_children(worker)) == defaults.worker_idle_concurrency == 2
     assert defaults.worker_concurrency > BURST
     jobs = [stack.api.submit(**LONG, host=HOST) for _ in range(BURST)]
     try:
@@ -46,7 +33,7 @@ def test_an_idle_worker_keeps_two_pool_children_and_a_burst_runs_at_once(
             RUNNING_WITHIN_S,
             f"{BURST} jobs running together on {HOST}",
         )
-        assert len(_pool_children(worker)) >= BURST
+        assert len(pool_children(worker)) >= BURST
     finally:
         for job in jobs:
             assert stack.api.post(f"/v1/jobs/{job}/cancel").status_code == 202

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import pytest
 
+from exo_tasks import prefix_routing
 from exo_tasks.commands import CancelJob, CheckJobs, JobCheck, StopRunner, SubmitJob
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import intake
@@ -18,6 +19,7 @@ from exo_tasks.runner.lane import EngineFinish, TokenDelta
 from exo_tasks.runner.loop import Runner
 from exo_tasks.runner.process import EXIT_TERMINATED, RunnerProgress, RunnerSpec
 from exo_tasks.store import Store
+from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, SamplingParams
 from tests.support.processes import wait_until
 from tests.unit.fakes import RunnerWrites
@@ -277,6 +279,26 @@ def test_a_step_streams_tokens_and_ends_jobs_through_the_outbox(runner: Runner) 
     # The runner's state follows its jobs: Running, with the largest batch it stepped.
     assert store_of(runner).published[-1].status == RunnerStatus.RUNNING
     assert runner.outbox.state.largest_batch == 2 and runner.outbox.state.active_jobs == 1
+
+
+def test_a_succeeded_jobs_prefixes_are_written_with_its_end_and_no_other_jobs(
+    runner: Runner,
+) -> None:
+    """Its conversation's next turn is routed here (exo_tasks.prefix_routing) from the write
+    that ends it on; a job that failed or was cancelled gives no hint."""
+    chat = JobRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    succeeded, cancelled, failed = submit(), submit(), submit()
+    for command in (succeeded, cancelled, failed):
+        max_tokens = 1 if command is succeeded else 4
+        command.job.request = chat.model_copy(update={"max_tokens": max_tokens})
+        runner.in_flight.admit(command)
+    runner._step()  # the first job's one token: it succeeded
+    runner.in_flight.end(cancelled.job.id, JobStatus.CANCELLED, "cancelled")
+    runner.in_flight.end(failed.job.id, JobStatus.FAILED, None, "the test's")
+    runner.outbox.drain()
+
+    digests = prefix_routing.conversation_digests(chat, "x")
+    assert store_of(runner).hints == [PrefixHint("tiny", digests, "unit", 900.0)]
 
 
 def test_a_stop_after_another_keeps_the_sooner_deadline_and_requeue() -> None:

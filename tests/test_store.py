@@ -107,7 +107,7 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     runner_id = "m@endings"
     store.runners.hand_over(runner_id, running(job, runner_id))
     store.jobs.write_step(
-        runner_id, [(job.id, TokenEvent(index=0, text="a"))], Observations(), [], "step-1"
+        runner_id, [(job.id, TokenEvent(index=0, text="a"))], Observations(), [], [], "step-1"
     )
     assert store.jobs.step_written(runner_id, "step-1")
     assert not store.jobs.step_written(runner_id, "step-2")
@@ -124,7 +124,7 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
         JobStatus.SUCCEEDED, text="b", finish_reason="length", completion_tokens=1
     )
     store.jobs.write_step(
-        runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final], "step-2"
+        runner_id, [(job.id, TokenEvent(index=0, text="b"))], Observations(), [final], [], "step-2"
     )
     [(_, ending)] = store.streams.read_endings(job.id, after, block_ms=100)
     assert ending.event == "done" and ending.job.output.text == "b"
@@ -153,7 +153,7 @@ def test_a_cancelled_job_ends_cancelled_instead_of_going_back_to_the_queue(store
     store.jobs.create(job, "exo.model.m", max_queued=1_000)
     store.runners.hand_over("m@w", running(job, "m@w"))
     store.jobs.write_step(
-        "m@w", [(job.id, TokenEvent(index=0, text="a"))], Observations(), [], "step-1"
+        "m@w", [(job.id, TokenEvent(index=0, text="a"))], Observations(), [], [], "step-1"
     )
     store.jobs.request_cancel(job.id, "the test")
 

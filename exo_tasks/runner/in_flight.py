@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from exo_tasks import metrics
+from exo_tasks import metrics, prefix_routing
 from exo_tasks.commands import CheckJobs, JobCheck, SubmitJob
 from exo_tasks.runner import intake
 from exo_tasks.runner.active_job import ActiveJob, take_step
@@ -18,7 +18,8 @@ from exo_tasks.runner.keep_alive import KeepAlive
 from exo_tasks.runner.outbox import Outbox
 from exo_tasks.runner.process import Engine, RunnerProgress, RunnerSpec
 from exo_tasks.store import Store, UnreadableCommand
-from exo_tasks.types import FinishReason, JobStatus, utcnow
+from exo_tasks.store.hosts import PrefixHint
+from exo_tasks.types import FinishReason, JobRecord, JobStatus, utcnow
 
 log = logging.getLogger("exo_tasks.runner")
 
@@ -140,10 +141,23 @@ class InFlight:
             return
         if in_engine:
             self.loaded.remove(job_id)
-        self.outbox.endings.append(job.ended(JobStatus(status), reason, error))
+        ended = job.ended(JobStatus(status), reason, error)
+        self.outbox.endings.append(ended)
+        if (hint := self._prefix_hint(ended)) is not None:
+            self.outbox.hints.append(hint)
         self.keep_alive.idle_from(time.monotonic(), job.record.request.keep_alive)
         log.info("job ended", extra={"job_id": job_id, "status": status, "finish_reason": reason})
         self._after_job_left()
+
+    def _prefix_hint(self, ended: JobRecord) -> PrefixHint | None:
+        """Where a succeeded job's conversation is best continued: here, whose prompt cache
+        holds its prompt and answer (exo_tasks.prefix_routing). Written with the ending, so
+        the next turn, sent as soon as the client has the answer, is routed by it."""
+        ttl_s = self.spec.prefix_routing_ttl_s
+        if ended.status != JobStatus.SUCCEEDED or ttl_s <= 0:
+            return None
+        digests = prefix_routing.conversation_digests(ended.request, ended.output.text)
+        return PrefixHint(ended.model, digests, self.spec.host, ttl_s) if digests else None
 
     def end_all(self, status: JobStatus, reason: FinishReason | None, error: str | None) -> None:
         for job_id in list(self.jobs):

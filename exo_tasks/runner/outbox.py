@@ -18,6 +18,7 @@ import redis
 from exo_tasks import lifecycle, metrics
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.runner.step_writer import Step, StepWriter, StepWrites
+from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.types import JobRecord, TokenEvent, utcnow
 
 log = logging.getLogger("exo_tasks.runner")
@@ -60,6 +61,7 @@ class Outbox:
         self.occupancy = occupancy
         self.tokens: list[tuple[str, TokenEvent]] = []
         self.endings: list[JobRecord] = []
+        self.hints: list[PrefixHint] = []
         self.observations = metrics.Observations()
         self.state_unpublished = False
         self.state_due: float | None = None  # when the jobs' comings and goings get published
@@ -130,8 +132,8 @@ class Outbox:
         ones, to the writer's thread. False if there were none."""
         if not (self.tokens or self.endings):
             return False
-        self.writer.put(Step(self.tokens, self.observations, self.endings))
-        self.tokens, self.endings = [], []
+        self.writer.put(Step(self.tokens, self.observations, self.endings, self.hints))
+        self.tokens, self.endings, self.hints = [], [], []
         self.observations = metrics.Observations()
         return True
 

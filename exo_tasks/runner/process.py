@@ -81,6 +81,7 @@ class RunnerSpec(BaseModel):
     prefill_step_size: int = 256
     prefill_process_min_tokens: int = 0  # EXO_PREFILL_PROCESS_MIN_TOKENS; 0: off
     prompt_cache_bytes: int = 1 << 30  # EXO_PROMPT_CACHE_BYTES
+    prefix_routing_ttl_s: float = 900.0  # EXO_PREFIX_ROUTING_TTL_S; 0: no hints written
     lanes: int | None = None  # None: the engine's default for the device
     idle_unload_s: float | None = None  # None: stay loaded while idle
     log_level: str = "INFO"
@@ -104,6 +105,7 @@ class RunnerSpec(BaseModel):
             prefill_step_size=settings.prefill_step_size,
             prefill_process_min_tokens=settings.prefill_process_min_tokens,
             prompt_cache_bytes=settings.prompt_cache_bytes,
+            prefix_routing_ttl_s=settings.prefix_routing_ttl_s,
             lanes=settings.runner_lanes,
             idle_unload_s=settings.runner_idle_unload_s,
             log_level=settings.log_level,

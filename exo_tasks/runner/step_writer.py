@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from exo_tasks import metrics
+from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.types import JobRecord, TokenEvent
 
 
@@ -32,6 +33,7 @@ class StepWrites(Protocol):
         tokens: list[tuple[str, TokenEvent]],
         observations: metrics.Observations,
         endings: list[JobRecord],
+        hints: list[PrefixHint],
         mark: str,
     ) -> None: ...
 
@@ -45,6 +47,7 @@ class Step:
     tokens: list[tuple[str, TokenEvent]] = field(default_factory=list)
     observations: metrics.Observations = field(default_factory=metrics.Observations)
     endings: list[JobRecord] = field(default_factory=list)
+    hints: list[PrefixHint] = field(default_factory=list)  # what its succeeded jobs left cached
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def then(self, later: Step) -> Step:
@@ -52,6 +55,7 @@ class Step:
         self.tokens += later.tokens
         self.observations.absorb(later.observations)
         self.endings += later.endings
+        self.hints += later.hints
         return self
 
 
@@ -118,7 +122,7 @@ class StepWriter:
         try:
             if retry and self.jobs.step_written(self.runner_id, step.mark):
                 return None  # it landed; only its reply was lost
-            args = (step.tokens, step.observations, step.endings, step.mark)
+            args = (step.tokens, step.observations, step.endings, step.hints, step.mark)
             self.jobs.write_step(self.runner_id, *args)
         except Exception as exc:  # noqa: BLE001 (raised on the loop's thread at its next check)
             return exc

@@ -4,6 +4,7 @@ prompt prefixes (exo_tasks.prefix_routing)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -52,6 +53,24 @@ if live < 2 then return 0 end
 for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[3], 'PX', ARGV[2]) end
 return 1
 """
+
+
+@dataclass(frozen=True)
+class PrefixHint:
+    """`host` ran these prompt prefixes of `model` (exo_tasks.prefix_routing): its prompt cache
+    holds them, so a job beginning with one is best sent there, for `ttl_s`."""
+
+    model: str
+    digests: list[str]
+    host: str
+    ttl_s: float
+
+    def write(self, pipe: Any) -> None:
+        """Queued on `pipe` (a runner's step, with the ending of the job that ran them): EVAL,
+        not EVALSHA, which a pipeline would precede with a round trip of its own."""
+        keys = [HOSTS, *(prefix_key(self.model, digest) for digest in self.digests)]
+        args = [host_key(""), int(self.ttl_s * 1000), self.host]
+        pipe.eval(REMEMBER_PREFIXES, len(keys), *keys, *args)
 
 
 # KEYS: the lease. ARGV: holder, milliseconds. Taken if free, renewed if ours.
@@ -108,12 +127,6 @@ class HostRecords(RedisPart):
         """`fleet`'s read, queued on a pipeline (whose reply `fleet_of` reads): EVAL, not
         EVALSHA, which a pipeline would precede with a round trip of its own (SCRIPT EXISTS)."""
         pipe.eval(FLEET, 2, HOSTS, RUNNERS, host_key(""), runner_key(""))
-
-    def remember_prefixes(self, model: str, digests: list[str], host: str, ttl_s: float) -> None:
-        """`host` ran these prompt prefixes of `model` (exo_tasks.prefix_routing): each entry of
-        the map says so for `ttl_s`, if two hosts or more are live."""
-        keys = [HOSTS, *(prefix_key(model, digest) for digest in digests)]
-        self.script(REMEMBER_PREFIXES)(keys=keys, args=[host_key(""), int(ttl_s * 1000), host])
 
     def prefix_hosts(self, model: str, digests: list[str]) -> list[str | None]:
         """The host that ran each of these prompt prefixes of `model` lately, or None."""

@@ -20,6 +20,7 @@ from exo_tasks import fairness, lifecycle, metrics
 from exo_tasks.broker import WITHDRAW, queue_lists
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.store.client import Arg, RedisPart, named, one_set
+from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.store.job_scripts import CREATE_UNLESS_FULL, TRANSITION
 from exo_tasks.store.keys import (
     ACTIVE_JOBS,
@@ -240,13 +241,16 @@ class JobRecords(RedisPart):
         tokens: list[tuple[str, TokenEvent]],
         observations: metrics.Observations,
         endings: list[JobRecord],
+        hints: list[PrefixHint],
         mark: str,
     ) -> None:
-        """A runner's step in one round trip: its tokens and metrics, then the jobs it ended
-        (each written only if still active: first writer wins) and their release. The ended
-        jobs' metrics follow, for the endings that were written. One transaction: a reader
-        blocked on a job's stream wakes once, with the step's token and the job's end together.
-        `mark` is written with it: `step_written` tells whether a write that failed landed."""
+        """A runner's step in one round trip: its tokens and metrics, the prompt prefixes its
+        succeeded jobs left in its cache, then the jobs it ended (each written only if still
+        active: first writer wins) and their release. The ended jobs' metrics follow, for the
+        endings that were written. One transaction: a reader blocked on a job's stream wakes
+        once, with the step's token and the job's end together, and a conversation's next turn
+        sent as its last one ends already finds its prefixes' host. `mark` is written with it:
+        `step_written` tells whether a write that failed landed."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(runner_key(runner_id, "step"), mark, ex=self.job_ttl_s)
         for job_id, token in tokens:
@@ -256,6 +260,8 @@ class JobRecords(RedisPart):
             if token.index == 0:
                 pipe.expire(events_key(job_id), self.job_ttl_s)
         observations.write(pipe)
+        for hint in hints:
+            hint.write(pipe)
         for job in endings:
             # EVAL, not EVALSHA: a pipeline would first ask if the script is loaded (a round trip).
             args = self._transition_args(lifecycle.write_ending(job))

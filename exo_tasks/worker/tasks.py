@@ -15,7 +15,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
 
-from exo_tasks import jobs, lifecycle, limits, prefix_routing
+from exo_tasks import jobs, lifecycle, limits
 from exo_tasks.celery_app import (
     INFERENCE_TASK,
     exo_app,
@@ -138,7 +138,6 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
             self, max_tokens, attempt.events_before, attempt.runner.id
         )
         final = _follow(store, job_id, attempt.runner, attempt.after, progress=progress)
-        _remember_prefixes(self, prepared.job, final)
         return task_states.finish(self, job_id, final, max_tokens)
     except Reject as reject:
         soft_limit.decided()
@@ -174,23 +173,6 @@ def _routed_here(task: Task[Any, Any], job: JobRecord) -> bool:
     by its prompt's prefix (exo_tasks.prefix_routing)."""
     routing_key = (task.request.delivery_info or {}).get("routing_key") or ""
     return job.request.host is None and host_of_queue(routing_key) is not None
-
-
-def _remember_prefixes(task: Task[Any, Any], job: JobRecord, final: JobEnding) -> None:
-    """A job that succeeded left its prompt and answer in this host's prompt cache: the next
-    turn of its conversation is best run here (exo_tasks.prefix_routing)."""
-    settings = exo_app(task).settings
-    if final.status != JobStatus.SUCCEEDED or settings.prefix_routing_ttl_s <= 0:
-        return
-    digests = prefix_routing.conversation_digests(job.request, final.output.text)
-    if not digests:
-        return
-    try:
-        exo_app(task).store.hosts.remember_prefixes(
-            job.model, digests, settings.hostname, settings.prefix_routing_ttl_s
-        )
-    except redis.RedisError as exc:  # a hint: the job has succeeded all the same
-        log.warning("prefixes not recorded", extra={"job_id": job.id, "error": str(exc)})
 
 
 def _prepare(store: Store, job_id: str, runner_id: str, incarnation: str) -> Prepared | Skipped:

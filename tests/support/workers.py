@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.naming import model_slug, runner_id_for
 from exo_tasks.store import Store
@@ -28,6 +30,17 @@ class Worker:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def pool_children(worker: Worker) -> list[psutil.Process]:
+    """The worker's pool children: forks of its main process (same command line), less the
+    batch feeder; the runner and multiprocessing's resource tracker are spawned."""
+    main = psutil.Process(worker.process.pid)
+    return [
+        child
+        for child in main.children()
+        if child.cmdline() == main.cmdline() and child.name() != "exo-feeder"
+    ]
 
 
 def worker_env(

@@ -22,6 +22,7 @@ from exo_tasks.commands import RunnerCommand, SubmitJob, SupervisorRequest
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.recovery import host_of
 from exo_tasks.store import Store
+from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
@@ -281,6 +282,7 @@ class RunnerWrites:
         self.published: list[RunnerState] = []
         self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
         self.step_marks: list[str] = []
+        self.hints: list[PrefixHint] = []
         self.down = False
         self.runners = _StatePublisher(self)
         self.jobs = _StepWriter(self)
@@ -309,10 +311,12 @@ class _StepWriter:
         tokens: list[tuple[str, TokenEvent]],
         observations: Any,
         endings: list[JobRecord],
+        hints: list[PrefixHint],
         mark: str,
     ) -> None:
         self.writes.reach()
         self.writes.steps.append((list(tokens), list(endings)))
+        self.writes.hints += hints
         self.writes.step_marks.append(mark)
 
     def step_written(self, runner_id: str, mark: str) -> bool:

@@ -35,7 +35,7 @@ class SlowRedis:
         self.mark = ""
 
     def write_step(self, runner_id: str, *step: Any) -> None:
-        tokens, observations, endings, mark = step
+        tokens, observations, endings, _hints, mark = step
         self.writing.set()
         assert self.gate.wait(WAIT_S)
         if self.down:
