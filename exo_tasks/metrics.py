@@ -156,6 +156,13 @@ class Observations:
     def clear(self) -> None:
         self._pending.clear()
 
+    def as_argument(self) -> str:
+        """The increments as one script argument (store.job_scripts.TRANSITION applies them):
+        one a line, its key, field and amount parted by tabs (a field is JSON, which escapes
+        both)."""
+        lines = (f"{key}\t{field}\t{amount!r}" for (key, field), amount in self._pending.items())
+        return "\n".join(lines)
+
 
 def job_ended(job: JobRecord) -> Observations:
     """What a job's end adds: its status, its tokens and its end-to-end latency."""

@@ -4,6 +4,7 @@ endings stream a task waits on."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -130,6 +131,31 @@ def test_endings_hold_each_attempts_end_and_no_tokens(store: Store) -> None:
     assert ending.event == "done" and ending.job.output.text == "b"
     _, events = store.streams.runner_and_events(runner_id, job.id)
     assert events - events_before == 2  # this attempt's token and its done
+
+
+def test_an_ending_is_counted_in_the_write_that_ends_the_job_and_once(store: Store) -> None:
+    """Its metrics go with the move (a scrape that reads the job ended counts it); a second
+    ending, which loses (first writer wins), counts nothing."""
+    model = f"counted-{uuid.uuid4().hex[:6]}"
+    by_runner, from_outside = new_job(model), new_job(model)
+    for job in (by_runner, from_outside):
+        store.jobs.create(job, "exo.model.m", max_queued=1_000)
+        store.runners.hand_over("m@counted", running(job, "m@counted"))
+    final = store.jobs.get(by_runner.id)
+    assert final is not None
+    final = final.ended(JobStatus.SUCCEEDED, text="a", finish_reason="stop", completion_tokens=1)
+    store.jobs.write_step("m@counted", [], Observations(), [final], [], "counted-1")
+    assert store.jobs.fail(from_outside.id, "the test's")
+    assert not store.jobs.fail(by_runner.id, "too late")  # the runner's ending was first
+    store.jobs.write_step("m@counted", [], Observations(), [final], [], "counted-2")  # again
+
+    ended = store.metrics.read()["exo_request_success_total"]
+    assert {k: v for k, v in ended.items() if model in k} == {
+        json.dumps([model, "succeeded"]): "1",
+        json.dumps([model, "failed"]): "1",
+    }
+    tokens = store.metrics.read()["exo_generation_tokens_total"]
+    assert tokens[json.dumps([model])] == "1"
 
 
 def test_a_requeue_for_a_dead_owner_never_takes_the_job_from_a_newer_attempt(

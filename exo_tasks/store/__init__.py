@@ -66,7 +66,7 @@ class Store:
         self.redis: Any = client
         self.metrics = MetricRecords(client)
         self.streams = JobStreams(client)
-        self.jobs = JobRecords(client, self.metrics, self.streams, job_ttl_s=job_ttl_s)
+        self.jobs = JobRecords(client, self.streams, job_ttl_s=job_ttl_s)
         self.runners = RunnerRecords(client, self.jobs)
         self.hosts = HostRecords(client)
         self.instances = InstanceRecords(client)

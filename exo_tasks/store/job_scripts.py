@@ -25,10 +25,12 @@ end
 # KEYS: job hash, event stream, endings stream, active jobs. Arguments (NAMED_ARGS): `status`,
 # the new one; `record`; `event`, its name ('' for none), and `data`; `ttl`, seconds (each key's
 # expiry starts again); `only_owner`, the owner the job must still have ('' for any); `owner`,
-# the new one; `job_id`; `allowed_from`, the statuses the job may move from (`one_set`). The only
-# events a transition appends end an attempt (done, error, requeued): they go to the endings
-# stream too, which the task waiting for the attempt reads without waking for every token. An
-# ending (done, error) leaves the active jobs.
+# the new one; `job_id`; `allowed_from`, the statuses the job may move from (`one_set`);
+# `counts`, the metrics' increments that come with the move (metrics.Observations.as_argument):
+# with it, so a job read as ended is counted, and counted once. The only events a transition
+# appends end an attempt (done, error, requeued): they go to the endings stream too, which the
+# task waiting for the attempt reads without waking for every token. An ending (done, error)
+# leaves the active jobs.
 TRANSITION = (
     NAMED_ARGS
     + f"""
@@ -43,6 +45,9 @@ if a.event ~= '' then
 end
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], a.ttl) end
 if a.event == 'done' or a.event == 'error' then redis.call('SREM', KEYS[4], a.job_id) end
+for key, field, amount in string.gmatch(a.counts, '([^\\t\\n]+)\\t([^\\t\\n]+)\\t([^\\t\\n]+)') do
+  redis.call('HINCRBYFLOAT', key, field, amount)
+end
 return 1
 """
 )

@@ -31,7 +31,6 @@ from exo_tasks.store.keys import (
     runner_key,
     transition_keys,
 )
-from exo_tasks.store.metrics import MetricRecords
 from exo_tasks.store.streams import JobStreams, last_of
 from exo_tasks.types import (
     DoneEvent,
@@ -73,15 +72,12 @@ class JobWhereabouts:
 
 
 class JobRecords(RedisPart):
-    """Job records and their moves; each ending is counted in `metrics`, and an ending from
-    outside its runner keeps the text `streams` had of it. A job's keys expire `job_ttl_s`
-    after its last move."""
+    """Job records and their moves; each ending is counted in the metrics as it is written, and
+    an ending from outside its runner keeps the text `streams` had of it. A job's keys expire
+    `job_ttl_s` after its last move."""
 
-    def __init__(
-        self, client: redis.Redis, metrics: MetricRecords, streams: JobStreams, *, job_ttl_s: int
-    ) -> None:
+    def __init__(self, client: redis.Redis, streams: JobStreams, *, job_ttl_s: int) -> None:
         super().__init__(client)
-        self.metrics = metrics
         self.streams = streams
         self.job_ttl_s = job_ttl_s
 
@@ -207,10 +203,7 @@ class JobRecords(RedisPart):
         event. The record and its streams expire EXO_JOB_TTL_S after the last move. True if
         written."""
         args = self._transition_args(move)
-        written = bool(self.script(TRANSITION)(keys=transition_keys(move.record.id), args=args))
-        if written and move.record.is_terminal:  # counted once: only the first ending is written
-            self.metrics.write(metrics.job_ended(move.record))
-        return written
+        return bool(self.script(TRANSITION)(keys=transition_keys(move.record.id), args=args))
 
     def _transition_args(self, move: lifecycle.Move) -> list[Arg]:
         job, event = move.record, move.event
@@ -233,6 +226,8 @@ class JobRecords(RedisPart):
             owner=job.owner or "",
             job_id=job.id,
             allowed_from=one_set(move.allowed_from),
+            # An ending's metrics, counted only by the first ending written (first writer wins).
+            counts=metrics.job_ended(job).as_argument() if job.is_terminal else "",
         )
 
     def write_step(
@@ -245,11 +240,11 @@ class JobRecords(RedisPart):
         mark: str,
     ) -> None:
         """A runner's step in one round trip: its tokens and metrics, the prompt prefixes its
-        succeeded jobs left in its cache, then the jobs it ended (each written only if still
-        active: first writer wins) and their release. The ended jobs' metrics follow, for the
-        endings that were written. One transaction: a reader blocked on a job's stream wakes
-        once, with the step's token and the job's end together, and a conversation's next turn
-        sent as its last one ends already finds its prefixes' host. `mark` is written with it:
+        succeeded jobs left in its cache, then the jobs it ended (each written, with its
+        metrics, only if still active: first writer wins) and their release. One transaction:
+        a reader blocked on a job's stream wakes once, with the step's token and the job's end
+        together, a job read as ended is counted, and a conversation's next turn sent as its
+        last one ends already finds its prefixes' host. `mark` is written with it:
         `step_written` tells whether a write that failed landed."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(runner_key(runner_id, "step"), mark, ex=self.job_ttl_s)
@@ -267,15 +262,8 @@ class JobRecords(RedisPart):
             args = self._transition_args(lifecycle.write_ending(job))
             pipe.eval(TRANSITION, 4, *transition_keys(job.id), *args)
             pipe.srem(runner_key(runner_id, "jobs"), job.id)
-        replies = pipe.execute()
+        pipe.execute()
         observations.clear()
-        written = replies[len(replies) - 2 * len(endings) :: 2]
-        ended = [metrics.job_ended(job) for job, ok in zip(endings, written, strict=True) if ok]
-        if ended:
-            pipe = self.redis.pipeline(transaction=False)
-            for counts in ended:
-                counts.write(pipe)
-            pipe.execute()
 
     def step_written(self, runner_id: str, mark: str) -> bool:
         """Whether the runner's step write marked `mark` is in Redis (its last one, then)."""
