@@ -30,15 +30,10 @@ from tests.support.workers import (
     wait_runner_ready,
 )
 
-# Long enough to freeze the job's pool child after its first token: 2-7 s of the tiny model.
-UNTIL_FROZEN = {"max_tokens": 4000, "ignore_eos": True}
-LONG_ON_X = {
-    "prompt": "long",
-    "max_tokens": 4000,
-    "ignore_eos": True,
-    "model": "alpha",
-    "host": "fleet-x",
-}
+# A job of alpha on fleet-x that is still running seconds on (4,000 tokens: 2-7 s of the tiny
+# model), to hold fleet-x's only pool child or to freeze it mid-job.
+RUNNING_ON_X = {"max_tokens": 4000, "ignore_eos": True, "model": "alpha", "host": "fleet-x"}
+LONG_ON_X = {"prompt": "long", **RUNNING_ON_X}
 
 
 @contextmanager
@@ -285,7 +280,7 @@ def test_a_turns_host_is_recorded_by_its_runner_with_its_end_while_its_task_is_f
     job's first token until the job has ended, it records nothing: the runner did, with the
     end."""
     messages = [{"role": "user", "content": "Conversation 30: what does a pool child hold?"}]
-    job_id = stack.api.submit(messages=messages, model="alpha", host="fleet-x", **UNTIL_FROZEN)
+    job_id = stack.api.submit(messages=messages, **RUNNING_ON_X)
     streamed = lambda: stack.store.streams.streamed_text(job_id)[1] > 0  # noqa: E731
     wait_until(streamed, 30, "the job's first token")
     children = pool_children(fleet.x)

@@ -149,13 +149,13 @@ def test_an_ending_is_counted_in_the_write_that_ends_the_job_and_once(store: Sto
     assert not store.jobs.fail(by_runner.id, "too late")  # the runner's ending was first
     store.jobs.write_step("m@counted", [], Observations(), [final], [], "counted-2")  # again
 
-    ended = store.metrics.read()["exo_request_success_total"]
+    stored = store.metrics.read()
+    ended = stored["exo_request_success_total"]
     assert {k: v for k, v in ended.items() if model in k} == {
         json.dumps([model, "succeeded"]): "1",
         json.dumps([model, "failed"]): "1",
     }
-    tokens = store.metrics.read()["exo_generation_tokens_total"]
-    assert tokens[json.dumps([model])] == "1"
+    assert stored["exo_generation_tokens_total"][json.dumps([model])] == "1"
 
 
 def test_a_requeue_for_a_dead_owner_never_takes_the_job_from_a_newer_attempt(
