@@ -217,7 +217,17 @@ class RankKeeper:
         handle = self.supervisor.handles.get(runner_id)
         follower = handle is not None and handle.spec.rank is not None and handle.spec.rank.rank > 0
         wait_s = 0.0 if how == "now" else grace + HARD_WAIT_S * (2 if follower else 1)
-        in_thread(self.supervisor.stop_runner, runner_id, command, wait_s)
+        in_thread(self._stop_and_unmark, runner_id, command, wait_s)
+
+    def _stop_and_unmark(self, runner_id: str, command: StopRunner, wait_s: float) -> None:
+        """The escalation, then the stop is no longer under way, whatever it found: a rank that
+        exited between a round's look at it and this stop leaves no handle to stop, and a mark
+        left behind would keep every later start of that rank (the same runner id) from being
+        stopped, its instance from starting again."""
+        try:
+            self.supervisor.stop_runner(runner_id, command, wait_s)
+        finally:
+            self._stopping.discard(runner_id)
 
     def leave(self, hard: bool) -> None:
         """This worker is stopping: its instances shut down (warm: rank 0 drains), and fail
@@ -284,7 +294,6 @@ class RankKeeper:
         with a cause of its own."""
         spec = handle.spec
         assert spec.rank is not None
-        self._stopping.discard(spec.runner_id)
         last = self.store.runners.get(spec.runner_id)
         if last is not None and last.status == RunnerStatus.FAILED and last.error:
             cause = f"{last.error} ({cause})"  # it said why before it exited

@@ -22,6 +22,7 @@ from exo_tasks.runner import process as runner_process
 from exo_tasks.runner.process import RankSpec, RunnerProgress
 from exo_tasks.worker import runner_exits
 from exo_tasks.worker import supervisor as supervisor_module
+from exo_tasks.worker.ranks import RankKeeper
 from exo_tasks.worker.supervision import (
     HEALTHY_UPTIME_S,
     KILL_WAIT_S,
@@ -419,3 +420,27 @@ def test_a_stopping_worker_waits_for_its_ranks_exits_to_be_settled(
     store.runners.on_send = stop_at_once
     supervisor.stop()
     assert settled == [("inst-x.rank1", 0)]
+
+
+def test_a_rank_stop_that_found_its_rank_gone_leaves_the_next_start_stoppable(
+    supervisor: RunnerSupervisor, store: FakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank keeper looks at a rank, then stops it; a rank that exited in between has no
+    handle left, and the stop finds nothing. That stop once stayed marked under way for good:
+    the next start of the rank (the same runner id) was never stopped when its instance failed,
+    which never started again (seen in a suite run: rank 1 outlived rank 0 by minutes)."""
+    asked: list[str] = []
+    stop_runner = supervisor.stop_runner
+
+    def counted(runner_id: str, *args: Any) -> str:
+        asked.append(runner_id)
+        return stop_runner(runner_id, *args)
+
+    monkeypatch.setattr(supervisor, "stop_runner", counted)
+    keeper = RankKeeper(settings(), store.as_store, supervisor, lambda *_: None)
+    for tries in (1, 2):
+        keeper._stop("inst-x.rank1", "now")
+        deadline = time.monotonic() + 5.0  # the stop's own thread (this clock is the real one)
+        while keeper._stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asked == ["inst-x.rank1"] * tries
