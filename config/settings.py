@@ -141,12 +141,13 @@ class Settings(BaseSettings):
         "jobs decode, a step prefills only for about as long as a decode step (fewer tokens).",
     )
     prefill_process_min_tokens: int = Field(
-        0,
+        512,
         ge=0,
         description="On the CPU: a prompt with at least this many tokens left to compute is "
-        "prefilled by a process of its own beside the runner (a second copy of the model in "
-        "memory), so jobs decoding meanwhile are not held up by it; 0: off, the runner's steps "
-        "prefill every prompt between decode steps.",
+        "prefilled by a process of its own beside the runner, so jobs decoding meanwhile are "
+        "not held up by it. The process, a second copy of the model in memory, starts with the "
+        "first such prompt, and only where the host's available memory holds the model twice "
+        "over; 0: off, the runner's steps prefill every prompt between decode steps.",
     )
     prompt_cache_bytes: int = Field(
         1 << 30,

@@ -18,7 +18,8 @@ from typing import Any
 import psutil
 import pytest
 
-from exo_tasks.runner.engine import BatchEngine
+from exo_tasks.runner import prefiller as prefiller_module
+from exo_tasks.runner.engine import BatchEngine, weights_bytes
 from exo_tasks.runner.lane import Lane
 from exo_tasks.runner.prefiller import Prefiller
 from tests.support.engine import Run, alone
@@ -33,9 +34,9 @@ GONE_WITHIN_S = 5.0
 
 
 @pytest.fixture
-def prefiller(tiny_model: Path) -> Iterator[Prefiller]:
-    prefiller = Prefiller(str(tiny_model), MIN_TOKENS, STEP_SIZE)
-    assert prefiller.wait_ready(60)
+def prefiller(tiny_model: Path, tiny_loaded: tuple[Any, Any]) -> Iterator[Prefiller]:
+    prefiller = Prefiller(str(tiny_model), MIN_TOKENS, STEP_SIZE, weights_bytes(tiny_loaded[0]))
+    assert prefiller.start() and prefiller.wait_ready(60)
     yield prefiller
     prefiller.close()  # it waits for the process (or kills it)
 
@@ -250,6 +251,7 @@ def test_a_prompt_whose_process_died_is_prefilled_by_its_lane(
     took = _loads(monkeypatch)
     run.add("long", LONG_PROMPT, max_tokens=8)
     run.step()  # the lane hands it over
+    assert prefiller.pid is not None
     _kill(prefiller.pid)
     run.until_done()
     assert took == []
@@ -272,7 +274,7 @@ def test_a_job_cancelled_in_the_process_is_dropped_and_its_state_removed(
         run.step()
     run.until_done()
     assert run.deltas["long"] == [] and took == ["next"]
-    assert not list(prefiller._dir.iterdir())
+    assert prefiller._dir is not None and not list(prefiller._dir.iterdir())
 
 
 def test_the_process_exits_when_its_runner_is_killed(tiny_model: Path) -> None:
@@ -280,7 +282,8 @@ def test_the_process_exits_when_its_runner_is_killed(tiny_model: Path) -> None:
     code = (
         "import sys, types\n"
         "from exo_tasks.runner.prefiller import Prefiller\n"
-        f"prefiller = Prefiller({str(tiny_model)!r}, 1, 8)\n"
+        f"prefiller = Prefiller({str(tiny_model)!r}, 1, 8, 0)\n"
+        "prefiller.start()\n"
         "print(prefiller.pid, flush=True)\n"
         "job = types.SimpleNamespace(job_id='j', prompt=[7] * 4000)\n"
         "prefiller.takes(job, job.prompt)\n"
@@ -310,42 +313,93 @@ def test_the_process_exits_when_its_runner_is_killed(tiny_model: Path) -> None:
             helper.kill()  # psutil checks it is still that process
 
 
-def test_a_workers_runner_prefills_long_prompts_in_its_process_and_its_stop_ends_it(
+def _helpers(runner_pid: int) -> list[psutil.Process]:
+    """The runner's prefill processes."""
+    children = psutil.Process(runner_pid).children()
+    return [p for p in children if "exo_tasks.runner.prefiller" in p.cmdline()]
+
+
+def test_a_workers_runner_starts_its_prefill_process_at_the_first_long_prompt(
     tiny_loaded: tuple[Any, Any],
     stack: Stack,
     processes: Processes,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
-    """EXO_PREFILL_PROCESS_MIN_TOKENS through a real worker: the runner starts its prefill
-    process, a long prompt beside a decoding job goes there and both texts are alone's; the
-    worker's warm stop ends the prefill process with its runner."""
-    worker = start_worker(
-        processes,
-        stack.redis.url,
-        "host-p",
-        [tiny_model],
-        tmp_path,
-        prefill_process_min_tokens=MIN_TOKENS,
-    )
+    """A real worker at its defaults (EXO_PREFILL_PROCESS_MIN_TOKENS 512): its runner starts
+    no prefill process, and a short prompt none, until a long prompt comes; that one goes
+    there beside a decoding job and both texts are alone's; the worker's warm stop ends the
+    prefill process with its runner."""
+    worker = start_worker(processes, stack.redis.url, "host-p", [tiny_model], tmp_path)
     state = wait_runner_ready(stack.store, worker)
     assert state.pid is not None
-    (helper,) = [
-        p
-        for p in psutil.Process(state.pid).children()
-        if "exo_tasks.runner.prefiller" in p.cmdline()
-    ]
+    short = stack.api.submit(prompt="one little pig", max_tokens=4, host="host-p")
+    assert stack.api.wait_job(short)["status"] == "succeeded"
+    assert _helpers(state.pid) == [], "a prefill process before any long prompt"
     bystander = stack.api.submit(
         prompt="bystander", max_tokens=2000, ignore_eos=True, host="host-p"
     )
     long = stack.api.submit(prompt=LONG_PROMPT, max_tokens=8, host="host-p")
     assert stack.api.wait_job(long)["output"]["text"] == alone(tiny_loaded, LONG_PROMPT, 8)[0]
     assert stack.api.wait_job(bystander)["status"] == "succeeded"
-    sent = [line for line in worker.log_text().splitlines() if "prefill process" in line]
+    sent = [
+        line for line in worker.log_text().splitlines() if "sent to the prefill process" in line
+    ]
     assert len(sent) == 1 and long in sent[0], sent
+    (helper,) = _helpers(state.pid)
     worker.process.send_signal(signal.SIGTERM)
     worker.process.wait(60)
     deadline = time.monotonic() + GONE_WITHIN_S
     while _running(helper) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _running(helper), "the prefill process outlived its worker"
+
+
+def test_without_room_for_a_second_copy_the_process_never_starts_and_lanes_prefill(
+    tiny_model: Path, tiny_loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model that the host's available memory does not hold twice over gets no prefill
+    process: a long prompt is prefilled by its lane, as with none."""
+    took = _loads(monkeypatch)
+    available = psutil.virtual_memory().available
+    prefiller = Prefiller(str(tiny_model), MIN_TOKENS, STEP_SIZE, available // 2 + (1 << 30))
+    engine = BatchEngine(*tiny_loaded, lanes=1, prefill_process=prefiller)
+    run = Run(engine)
+    try:
+        run.add("long", LONG_PROMPT, max_tokens=8)
+        run.until_done()
+        assert prefiller.pid is None and took == []
+        assert run.text("long") == alone(tiny_loaded, LONG_PROMPT, 8)[0]
+    finally:
+        engine.close()
+
+
+def test_a_process_that_does_not_load_in_time_is_killed_and_its_prompts_go_to_their_lanes(
+    tiny_model: Path,
+    tiny_loaded: tuple[Any, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model whose load hangs (its config a FIFO nobody writes): the waiting counts as the
+    prompt's progress until LOAD_TIMEOUT_S (shortened here: the bound is the subject), then the
+    process is killed and the lane prefills the prompt."""
+    hanging = tmp_path / "hanging-model"
+    hanging.mkdir()
+    os.mkfifo(hanging / "config.json")
+    monkeypatch.setattr(prefiller_module, "LOAD_TIMEOUT_S", 3.0)
+    prefiller = Prefiller(str(hanging), MIN_TOKENS, STEP_SIZE, 0)
+    engine = BatchEngine(*tiny_loaded, lanes=1, prefill_process=prefiller)
+    run = Run(engine)
+    try:
+        started = time.monotonic()
+        run.add("long", LONG_PROMPT, max_tokens=8)
+        run.step()
+        assert prefiller.pid is not None and prefiller.computing
+        helper = psutil.Process(prefiller.pid)
+        assert engine.prefill_chunks == 1, "the load is not counted as progress"
+        run.until_done()
+        assert time.monotonic() - started >= 3.0
+        assert not _running(helper)
+        assert run.text("long") == alone(tiny_loaded, LONG_PROMPT, 8)[0]
+    finally:
+        engine.close()

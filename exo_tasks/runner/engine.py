@@ -55,6 +55,12 @@ def default_lanes() -> int:
     return max(1, min(cores or 1, MAX_AUTO_LANES))
 
 
+def weights_bytes(model: Any) -> int:
+    """Bytes of the model's parameters in this process (a rank: its shard's)."""
+    parameters: Any = tree_flatten(model.parameters())  # [(name, array)]
+    return sum(int(v.nbytes) for _, v in parameters)
+
+
 class BatchEngine:
     """Jobs in, token deltas out: a thin, job-id-keyed layer over mlx-lm's BatchGenerators."""
 
@@ -102,8 +108,7 @@ class BatchEngine:
         self._samplers = sampling.Samplers()
         self._vocab_size = len(tokenizer.get_vocab())
         self._largest_batch = 0
-        parameters: Any = tree_flatten(model.parameters())  # [(name, array)]
-        self._weights_bytes = sum(int(v.nbytes) for _, v in parameters)
+        self._weights_bytes = weights_bytes(model)
         self._prefill_chunks = 0
 
     @property

@@ -1,5 +1,5 @@
 """Long prompts prefilled in a process of their own, beside the runner's decoding batch
-(EXO_PREFILL_PROCESS_MIN_TOKENS; off by default).
+(EXO_PREFILL_PROCESS_MIN_TOKENS, on the CPU).
 
 On the CPU a prompt token late in a long prompt costs more than a decode step: with the `bench`
 model on 2 cores, one forward pass of a single token at position 6,900 takes 186 ms (attention
@@ -18,9 +18,16 @@ the step every decoding job of the lane waits for), and a one-token job never jo
 While the process computes, the lanes step one fewer at a time (`BatchEngine`): it keeps a core
 busy as a lane does.
 
-Nothing is lost on the way: a prompt the process could not do (it failed, or is gone) is
-prefilled by its lane as before. The process reads its requests on stdin; when the runner
-exits, however it exits, stdin ends and so does the process.
+The process starts with the first prompt long enough for it, not with the runner: a runner
+that never sees one (most, and every one of the test suite's) costs no second copy, and one
+that does pays the load once, beside its lanes (the prompt waits in the process's queue; the
+`bench` model loads in about a second, a 7,000-token prompt takes minutes). It starts only
+where the host's available memory holds the model ROOM_FACTOR times over: the copy never takes
+the memory the host has least of, and without room the lanes prefill every prompt.
+
+Nothing is lost on the way: a prompt the process could not do (it failed, did not load within
+LOAD_TIMEOUT_S, or is gone) is prefilled by its lane as before. The process reads its requests
+on stdin; when the runner exits, however it exits, stdin ends and so does the process.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import uuid
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Literal
 
+import psutil
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from exo_tasks.runner.prompt_cache import Lookup
@@ -55,6 +63,10 @@ log = logging.getLogger("exo_tasks.runner.prefiller")
 # How long the runner's step waits for the process when it has nothing else to do.
 IDLE_WAIT_S = 0.2
 CLOSE_WAIT_S = 5.0
+# The process starts where the host's available memory is at least this many model copies.
+ROOM_FACTOR = 2
+# Loading counts as the prompts' progress for the runner's stall watchdog, this long at most.
+LOAD_TIMEOUT_S = 60.0
 
 
 class Ready(BaseModel):
@@ -101,48 +113,87 @@ _replies: TypeAdapter[Ready | Progress | Done | Failed] = TypeAdapter(Reply)
 
 
 class Prefiller:
-    """The runner's side: the process, the jobs it holds, what it has sent back."""
+    """The runner's side: the process (once started), the jobs it holds, what it has sent
+    back. `copy_bytes`: the model's weights, what the process's copy of them takes."""
 
-    def __init__(self, model_path: str, min_tokens: int, step_size: int) -> None:
+    def __init__(self, model_path: str, min_tokens: int, step_size: int, copy_bytes: int) -> None:
         self.min_tokens = min_tokens
-        # Files in RAM where there is a RAM file system: a 7,000-token state is ~60 MB.
-        shm = Path("/dev/shm")
-        self._dir = Path(tempfile.mkdtemp(prefix="exo-prefill-", dir=shm if shm.is_dir() else None))
-        command = [sys.executable, "-m", __name__, model_path, str(self._dir), str(step_size)]
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.copy_bytes = copy_bytes
+        self._model_path = model_path
+        self._step_size = step_size
+        self._process: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
         self._replies: queue.SimpleQueue[Ready | Progress | Done | Failed | None] = (
             queue.SimpleQueue()
         )
         self._jobs: dict[str, LaneJob] = {}  # by id, while the process has them
-        self._alive = True
+        self._alive = True  # False once it is gone, or can never start
         self._ready = False
+        self._load_deadline = 0.0
         self._chunks = 0
-        assert self._process.stdout is not None
-        threading.Thread(
-            target=_read_replies, args=(self._process.stdout, self._replies), daemon=True
-        ).start()
 
     @property
-    def pid(self) -> int:
-        return self._process.pid
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     @property
     def computing(self) -> bool:
         """Whether the process holds a prompt: it keeps one core busy until it hands it back."""
         return bool(self._jobs)
 
+    def start(self) -> bool:
+        """Start the process, unless it runs already; False if it is gone or cannot start
+        (the host's available memory holds fewer than ROOM_FACTOR copies of the model)."""
+        if self._process is not None or not self._alive:
+            return self._alive
+        available = psutil.virtual_memory().available
+        if available < ROOM_FACTOR * self.copy_bytes:
+            self._alive = False
+            log.warning(
+                "no room for the prefill process's copy of the model; lanes prefill every prompt",
+                extra={"available_mib": available >> 20, "model_mib": self.copy_bytes >> 20},
+            )
+            return False
+        # Files in RAM where there is a RAM file system: a 7,000-token state is ~60 MB.
+        shm = Path("/dev/shm")
+        try:
+            self._dir = Path(
+                tempfile.mkdtemp(prefix="exo-prefill-", dir=shm if shm.is_dir() else None)
+            )
+            command = [sys.executable, "-m", __name__, self._model_path, str(self._dir)]
+            command.append(str(self._step_size))
+            self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError:
+            self._alive = False
+            log.exception("the prefill process could not start; lanes prefill every prompt")
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            return False
+        self._load_deadline = time.monotonic() + LOAD_TIMEOUT_S
+        assert self._process.stdout is not None
+        threading.Thread(
+            target=_read_replies, args=(self._process.stdout, self._replies), daemon=True
+        ).start()
+        log.info("prefill process started", extra={"pid": self._process.pid})
+        return True
+
     def wait_ready(self, timeout_s: float) -> bool:
-        """Wait until the process has loaded the model (False: it could not, or not in time;
-        the lanes prefill every prompt until it can)."""
+        """Wait until the started process has loaded the model (False: it could not, or not
+        in time)."""
         deadline = time.monotonic() + timeout_s
-        while not self._ready and self._alive and (left := deadline - time.monotonic()) > 0:
+        while (
+            self._process is not None
+            and not self._ready
+            and self._alive
+            and (left := deadline - time.monotonic()) > 0
+        ):
             with contextlib.suppress(queue.Empty):
                 self._settle(self._replies.get(timeout=left))
         return self._ready
 
     def takes(self, job: LaneJob, rest: list[int]) -> bool:
         """Take `job` if the part of its prompt left to compute is long enough."""
-        if not self._alive or len(rest) < self.min_tokens:
+        if len(rest) < self.min_tokens or not self.start():
             return False
         if not self._send(Prefill(job_id=job.job_id, tokens=job.prompt)):
             return False
@@ -155,9 +206,21 @@ class Prefiller:
             self._send(Cancel(job_id=job_id))
 
     def take_chunks(self) -> int:
-        """Chunks computed since the last call: progress for the runner's stall watchdog."""
+        """Chunks computed since the last call: progress for the runner's stall watchdog (a
+        load under way counts as one)."""
         chunks, self._chunks = self._chunks, 0
-        return chunks
+        return chunks + self._loading()
+
+    def _loading(self) -> bool:
+        """Whether the process is loading the model for the prompts it holds; one that has not
+        loaded within LOAD_TIMEOUT_S is killed (its prompts go back to their lanes)."""
+        if self._process is None or self._ready or not self._alive or not self._jobs:
+            return False
+        if time.monotonic() < self._load_deadline:
+            return True
+        log.error("the prefill process did not load the model in time; killed")
+        self._process.kill()
+        return False
 
     def finished(self, *, idle: bool) -> list[tuple[LaneJob, Done | None]]:
         """The jobs the process is done with, each with its files (None: the lane prefills
@@ -201,6 +264,7 @@ class Prefiller:
         return [(job, done)]
 
     def _send(self, request: Prefill | Cancel) -> bool:
+        assert self._process is not None
         stdin = self._process.stdin
         assert stdin is not None
         try:
@@ -246,6 +310,8 @@ class Prefiller:
 
     def close(self) -> None:
         """Stop the process (its stdin ends: it exits) and remove its files."""
+        if self._process is None:
+            return
         with contextlib.suppress(OSError, ValueError):
             assert self._process.stdin is not None
             self._process.stdin.close()
@@ -254,6 +320,7 @@ class Prefiller:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+        assert self._dir is not None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -5,7 +5,6 @@ array), how it builds its engine and reads its inbox, and its exit codes. The ba
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -32,15 +31,12 @@ if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
     from exo_tasks.types import ChatMessage, SamplingParams
     from exo_tasks.wire import Tool
 
-log = logging.getLogger("exo_tasks.runner")
 # Exit code of a runner that cannot work as configured: the supervisor does not restart it.
 EXIT_CONFIG = 78  # EX_CONFIG
 # Exit code of a runner that unloaded its idle model: started again on demand, not restarted.
 EXIT_UNLOADED = 3
 # Exit code of a runner that exits on SIGTERM without stopping in order (128 + SIGTERM).
 EXIT_TERMINATED = 143
-# How long a runner's start waits for its prefill process to load the model, after its own.
-PREFILLER_LOAD_S = 60.0
 
 
 class ConfigError(Exception):
@@ -79,7 +75,7 @@ class RunnerSpec(BaseModel):
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 256
-    prefill_process_min_tokens: int = 0  # EXO_PREFILL_PROCESS_MIN_TOKENS; 0: off
+    prefill_process_min_tokens: int = 512  # EXO_PREFILL_PROCESS_MIN_TOKENS; 0: off
     prompt_cache_bytes: int = 1 << 30  # EXO_PROMPT_CACHE_BYTES
     prefix_routing_ttl_s: float = 900.0  # EXO_PREFIX_ROUTING_TTL_S; 0: no hints written
     lanes: int | None = None  # None: the engine's default for the device
@@ -216,31 +212,30 @@ def check_model_path(model: str) -> None:
 
 
 def load_engine(spec: RunnerSpec) -> Engine:
-    """Load the spec's model into a batching engine (not yet warmed up), and into its prefill
-    process (EXO_PREFILL_PROCESS_MIN_TOKENS) at the same time."""
+    """Load the spec's model into a batching engine (not yet warmed up); on the CPU, with its
+    prefill process for long prompts (EXO_PREFILL_PROCESS_MIN_TOKENS), started by the first."""
+    import mlx.core as mx
     import mlx_lm
 
-    from exo_tasks.runner.engine import BatchEngine
+    from exo_tasks.runner.engine import BatchEngine, weights_bytes
     from exo_tasks.runner.prefiller import Prefiller
 
     check_model_path(spec.model_path)
+    model, tokenizer = mlx_lm.load(spec.model_path)[:2]
     minimum, step = spec.prefill_process_min_tokens, spec.prefill_step_size
-    prefiller = Prefiller(spec.model_path, minimum, step) if minimum else None
-    try:
-        loaded = mlx_lm.load(spec.model_path)
-        if prefiller is not None and not prefiller.wait_ready(PREFILLER_LOAD_S):
-            log.error("the prefill process did not load the model; lanes prefill every prompt")
-        return BatchEngine(
-            loaded[0],
-            loaded[1],
-            completion_batch_size=spec.completion_batch_size,
-            prefill_batch_size=spec.prefill_batch_size,
-            prefill_step_size=spec.prefill_step_size,
-            lanes=spec.lanes,
-            prompt_cache_bytes=spec.prompt_cache_bytes,
-            prefill_process=prefiller,
-        )
-    except BaseException:
-        if prefiller is not None:
-            prefiller.close()
-        raise
+    on_cpu = mx.default_device() == mx.cpu
+    prefiller = (
+        Prefiller(spec.model_path, minimum, step, weights_bytes(model))
+        if minimum and on_cpu
+        else None
+    )
+    return BatchEngine(
+        model,
+        tokenizer,
+        completion_batch_size=spec.completion_batch_size,
+        prefill_batch_size=spec.prefill_batch_size,
+        prefill_step_size=spec.prefill_step_size,
+        lanes=spec.lanes,
+        prompt_cache_bytes=spec.prompt_cache_bytes,
+        prefill_process=prefiller,
+    )
