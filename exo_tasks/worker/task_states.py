@@ -38,9 +38,13 @@ class JobEnded(Exception):
 class TaskProgress:
     """A job's tokens so far, as its task's `STARTED` state (meta `tokens`, `max_tokens` and
     the `runner` that runs it: Flower names only the worker) for result readers and a
-    `task-started` event carrying it as `result` for Flower, at most every PROGRESS_EVERY_S and
-    only as a best effort. The tokens are the events in the job's stream since the attempt
-    began."""
+    `task-started` event carrying it as `result` for Flower, as a best effort. The tokens are
+    the events in the job's stream since the attempt began.
+
+    The first report comes with the task's first check on its job, a wait slice after the
+    hand-over, then at most every PROGRESS_EVERY_S: a job that ends within a slice (most short
+    ones) goes from `PENDING` to its ending with no write of this kind, where a `STARTED` stored
+    at the hand-over cost two round trips while its runner computed the first token."""
 
     def __init__(
         self, task: Task[Any, Any], max_tokens: int, events_before: int, runner: str
@@ -50,19 +54,20 @@ class TaskProgress:
         self.events_before = events_before
         self.runner = runner
         self.tokens = 0
+        self.reported = False
         # The event would otherwise move Flower's "started" time to each report's.
         self.started_at = time.time()
         self.reported_at = time.monotonic()
-        self._store({"tokens": 0, "max_tokens": max_tokens, "runner": runner})
 
     def update(self, events: int) -> None:
         tokens = events - self.events_before
         now = time.monotonic()
-        if tokens == self.tokens or now - self.reported_at < PROGRESS_EVERY_S:
+        if self.reported and (tokens == self.tokens or now - self.reported_at < PROGRESS_EVERY_S):
             return
         self.tokens, self.reported_at = tokens, now
         meta = {"tokens": tokens, "max_tokens": self.max_tokens, "runner": self.runner}
         if self._store(meta):
+            self.reported = True
             # Flower shows a task's `result` as a repr, as in task-succeeded events.
             _send(self.task, "task-started", result=repr(meta), started=self.started_at)
 

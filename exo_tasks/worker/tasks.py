@@ -113,8 +113,9 @@ class Attempt:
     events_before: int
 
 
-# STARTED is stored after the hand-over (task_states.TaskProgress), not before: the write (a
-# SET and a PUBLISH) would sit between every job's delivery and its hand-over.
+# STARTED is stored by the task's first check on its job (task_states.TaskProgress), not before
+# the hand-over: the write (a GET, a SET and a PUBLISH) would sit between every job's delivery
+# and its hand-over.
 @shared_task(name=INFERENCE_TASK, bind=True, base=InferenceTask, track_started=False)
 def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
     """Run one job on this host's runner for `model`: prepare, hand over, follow. The job

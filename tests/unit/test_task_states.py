@@ -116,16 +116,24 @@ class TestTaskProgress:
     def clock(self, monkeypatch: pytest.MonkeyPatch) -> FakeClock:
         return clock_of(monkeypatch, task_states)
 
-    def test_started_is_stored_at_once_with_no_tokens(self, task: FakeTask) -> None:
-        TaskProgress(cast(Any, task), max_tokens=16, events_before=0, runner=RUNNER_ID)
-        assert task.states == [
-            (states.STARTED, {"tokens": 0, "max_tokens": 16, "runner": RUNNER_ID})
-        ]
+    def test_started_is_stored_at_the_first_check_not_at_the_hand_over(
+        self, task: FakeTask, clock: FakeClock
+    ) -> None:
+        """A job that ends within its task's first wait slice writes no `STARTED` at all."""
+        progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=0, runner=RUNNER_ID)
+        assert task.states == [] and task.sent == []
+        clock.sleep(1.0)
+        progress.update(events=0)
+        meta = {"tokens": 0, "max_tokens": 16, "runner": RUNNER_ID}
+        assert task.states == [(states.STARTED, meta)]
+        [(event, fields)] = task.sent
+        assert event == "task-started" and fields["result"] == repr(meta)
 
     def test_tokens_are_reported_at_most_every_progress_every_s(
         self, task: FakeTask, clock: FakeClock
     ) -> None:
         progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=3, runner=RUNNER_ID)
+        progress.update(events=3)
         clock.sleep(task_states.PROGRESS_EVERY_S - 0.1)
         progress.update(events=5)
         assert len(task.states) == 1  # too soon
@@ -134,14 +142,15 @@ class TestTaskProgress:
         # The tokens of this attempt only: the events before it are an earlier attempt's.
         meta = {"tokens": 2, "max_tokens": 16, "runner": RUNNER_ID}
         assert task.states[-1] == (states.STARTED, meta)
-        [(event, fields)] = task.sent
-        assert event == "task-started" and fields["result"] == repr(task.states[-1][1])
+        assert [event for event, _ in task.sent] == ["task-started"] * 2
+        assert task.sent[-1][1]["result"] == repr(meta)
 
     def test_no_report_without_new_tokens(self, task: FakeTask, clock: FakeClock) -> None:
         progress = TaskProgress(cast(Any, task), max_tokens=16, events_before=0, runner=RUNNER_ID)
+        progress.update(events=0)
         clock.sleep(10)
         progress.update(events=0)
-        assert len(task.states) == 1 and task.sent == []
+        assert len(task.states) == 1 and len(task.sent) == 1
 
     def test_a_report_redis_refuses_is_dropped_and_sends_no_event(
         self, task: FakeTask, clock: FakeClock
@@ -151,3 +160,8 @@ class TestTaskProgress:
         clock.sleep(10)
         progress.update(events=4)  # does not raise: progress is a best effort
         assert task.sent == []
+        task.store_fails = False
+        progress.update(events=4)  # no report made it yet: the next check tries again
+        assert task.states == [
+            (states.STARTED, {"tokens": 4, "max_tokens": 16, "runner": RUNNER_ID})
+        ]
