@@ -219,6 +219,7 @@ class Prefiller:
         if time.monotonic() < self._load_deadline:
             return True
         log.error("the prefill process did not load the model in time; killed")
+        self._alive = False  # no more prompts for it; its reader hands back the ones it holds
         self._process.kill()
         return False
 
