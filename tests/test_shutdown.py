@@ -12,12 +12,14 @@ import signal
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
 import pytest
 
 from config.settings import Settings
+from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import SubmitJob
 from exo_tasks.naming import runner_id_for
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
@@ -282,6 +284,16 @@ def test_hard_time_limit_replaces_the_pool_child_and_fails_the_job(
     assert state.pid == pid and state.status == "Ready"
 
 
+def received_at(log_text: str, job_id: str) -> datetime:
+    """When the worker took the job's message (Celery's "received" line, in the worker's local
+    time). A message taken just before the signal is handed over just after it: its record's
+    `started_at` can follow the signal by the pool child's few milliseconds (seen on CI)."""
+    receipt = re.escape(f"Task {INFERENCE_TASK}[{job_id}] received")
+    found = re.search(rf"ts=(\S+) .*{receipt}", log_text)
+    assert found, f"no receipt of job {job_id} in the worker's log"
+    return datetime.fromisoformat(found.group(1)).astimezone(UTC)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "api"])
 def test_warm_worker_shutdown_finishes_or_requeues_and_a_restart_completes_every_job(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, how: str
@@ -318,7 +330,7 @@ def test_warm_worker_shutdown_finishes_or_requeues_and_a_restart_completes_every
         else:  # a slot the short job freed took it (before the API's stop reached the worker)
             assert job.status == JobStatus.SUCCEEDED
             if how == "sigterm":  # none is taken once the worker has the signal
-                assert job.started_at < signalled_at
+                assert received_at(worker.log_text(), job_id) < signalled_at
     report_margin(stack, long_id)
 
     new_worker(stack, processes, tiny_model, tmp_path, host)
