@@ -37,8 +37,10 @@ log = logging.getLogger("exo_tasks.launcher")
 PROCFILE = Path(__file__).resolve().parent.parent / "Procfile"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_S = 0.05
-# The worker drains for EXO_STACK_DRAIN_S, then requeues what is left and stops its runners.
-WORKER_STOP_MARGIN_S = 2.5
+# The worker drains for EXO_STACK_DRAIN_S, then requeues what is left and stops its runners:
+# a runner reads its stop between two steps (on 2 busy cores its loop read one 1.1 s late), and
+# Celery's own stop of its pool takes 0.8-1.5 s after the runners have gone.
+WORKER_STOP_MARGIN_S = 4.0
 API_STOP_S = 2.0
 REDIS_STOP_S = 2.0
 DOWN_WAIT_S = 15.0
