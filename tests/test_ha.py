@@ -28,7 +28,7 @@ from exo_tasks.store import Store, connect
 from tests.support import sse
 from tests.support.batches import CHAT_URL, chat_line, jsonl
 from tests.support.ha import ha_settings, master_port, sentinel_client, server_process, settings_of
-from tests.support.launcher import LONG_TOKENS, LocalStack, launcher_env
+from tests.support.launcher import LocalStack, launcher_env
 from tests.support.processes import EXO_TASKS, Processes, exo_env, has_exited, wait_until
 
 
@@ -176,7 +176,7 @@ def _measure_replication(master: Any, replica: Any, replica_process: psutil.Proc
 
 # Long enough to run through the kill: the `tiny` model decodes 8 jobs of 300 tokens in the
 # ~2 s the shorter ones take to be sent, on a 2-core machine that is busy besides.
-JOB = {"prompt": "failover", "max_tokens": LONG_TOKENS, "ignore_eos": True}
+JOB = {"prompt": "failover", "max_tokens": 1500, "ignore_eos": True}
 SHORT_JOB = {**JOB, "max_tokens": 20}
 # The worker's pool has 8 children (launcher_env): 8 long jobs run through the kill, 42 short
 # ones wait behind them, and a batch's lines behind those (priority `low`): the feeder has sent

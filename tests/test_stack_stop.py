@@ -27,7 +27,6 @@ import requests
 from config.settings import DEFAULT_PRESET
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
-from exo_tasks.modelgen import MAX_LENGTH
 from exo_tasks.redis_server import ORPHANED_WORKER_WAIT_S, WORKER_WAIT_S
 from exo_tasks.store import Store
 from exo_tasks.types import model_queue, runner_id_for
@@ -40,11 +39,6 @@ from tests.support.processes import (
     wait_until,
 )
 from tests.support.workers import start_worker
-
-# Jobs that no stop lets finish: the worker's drain (1 s), and on a SIGKILLed launcher the
-# seconds before its processes see it gone, end a 1,500-token job of the `tiny` model on a
-# fast machine (succeeded, rightly; seen with three pytest processes on two cores).
-UNFINISHED_TOKENS = MAX_LENGTH - 64
 
 
 def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -160,7 +154,7 @@ def test_ctrl_c_requeues_jobs_in_flight_a_restart_runs_them_and_down_stops_it(
 
 def test_a_second_ctrl_c_stops_at_once_still_requeuing(local_stack: LocalStack) -> None:
     local_stack.up()
-    ids = local_stack.submit_long_jobs(UNFINISHED_TOKENS)
+    ids = local_stack.submit_long_jobs()
     elapsed = stop_and_time(local_stack, [signal.SIGINT, signal.SIGINT], bound_s=5)
     print(f"two Ctrl-C: every process gone in {elapsed:.2f}s")
     assert "second signal" in local_stack.log_text()
@@ -172,7 +166,7 @@ def test_a_hangup_or_a_killed_launcher_stops_everything(
     local_stack: LocalStack, how: signal.Signals
 ) -> None:
     local_stack.up()
-    ids = local_stack.submit_long_jobs(UNFINISHED_TOKENS)
+    ids = local_stack.submit_long_jobs()
     elapsed = stop_and_time(local_stack, [how], bound_s=10)
     print(f"{how.name} to the launcher: every process gone in {elapsed:.2f}s")
     assert_requeued(local_stack, ids)
@@ -186,10 +180,10 @@ def test_a_killed_launcher_whose_worker_does_not_stop_still_stops_everything(
     Redis to come back: nothing stopped. Here the worker is frozen for good at the launcher's
     death: Redis must outwait the 4 s, then SIGKILL the worker (no launcher is left to) and
     stop; the worker's jobs stay running, for the recovery loop of its next start. Its runner
-    is not frozen and decodes until Redis stops, 7.5 s on: LONG_JOB's 1,500 tokens were done by
-    then on a quiet machine (succeeded, rightly)."""
+    is not frozen and decodes until Redis stops, 7.5 s on: 1,500-token jobs were done by then on
+    a quiet machine (succeeded, rightly)."""
     local_stack.up()
-    ids = local_stack.submit_long_jobs(UNFINISHED_TOKENS)
+    ids = local_stack.submit_long_jobs()
     tree = local_stack.tree()
     worker = next(p for p in tree[0].children() if "worker" in p.cmdline())
     redis_server = next(p for p in tree if p.name() == "redis-server")
@@ -219,7 +213,7 @@ def test_a_killed_launcher_whose_worker_does_not_stop_still_stops_everything(
 
 def test_closing_the_terminal_stops_everything(local_stack: LocalStack) -> None:
     terminal = local_stack.up_in_terminal()
-    ids = local_stack.submit_long_jobs(UNFINISHED_TOKENS)
+    ids = local_stack.submit_long_jobs()
     elapsed = stop_and_time(local_stack, [], bound_s=10, before=terminal.close)
     print(f"the terminal closed: every process gone in {elapsed:.2f}s")
     assert local_stack.process is not None and local_stack.process.wait(timeout=1) == 0
@@ -237,7 +231,7 @@ def test_honcho_start_on_the_procfile_works_and_ctrl_c_requeues(
     honcho = [str(venv_bin / "honcho"), "start"]
     # /readyz: the runner is Ready on a fresh data dir.
     local_stack.start(honcho, cwd=PROCFILE.parent)
-    ids = local_stack.submit_long_jobs(UNFINISHED_TOKENS)
+    ids = local_stack.submit_long_jobs()
     # honcho itself SIGKILLs what is left 5 s after Ctrl-C: nothing may need that.
     elapsed = stop_and_time(local_stack, [signal.SIGINT], bound_s=6)
     print(f"honcho, Ctrl-C with {JOBS} jobs in flight: every process gone in {elapsed:.2f}s")

@@ -11,6 +11,7 @@ from typing import Any
 import psutil
 import requests
 
+from exo_tasks.modelgen import MAX_LENGTH
 from exo_tasks.store import Store
 from tests.support.processes import (
     EXO_TASKS,
@@ -24,7 +25,11 @@ from tests.support.processes import (
 from tests.support.terminal import Terminal
 
 HOST = "stack-host"
-LONG_TOKENS = 1500
+# Jobs that no stop lets finish, the model's whole length: the worker's drain (1 s), the
+# seconds before a SIGKILLed launcher's processes see it gone, and the time the first jobs run
+# while the pool grows for the last (2.8 s on CI) each ended 1,500-token jobs (succeeded,
+# rightly, where the tests wanted them requeued).
+LONG_TOKENS = MAX_LENGTH - 64
 LONG_JOB = {"prompt": "long", "max_tokens": LONG_TOKENS, "ignore_eos": True}
 JOBS = 4
 
