@@ -155,11 +155,9 @@ class Prefiller:
             )
             return False
         # Files in RAM where there is a RAM file system: a 7,000-token state is ~60 MB.
-        shm = Path("/dev/shm")
+        ram = "/dev/shm" if Path("/dev/shm").is_dir() else None
         try:
-            self._dir = Path(
-                tempfile.mkdtemp(prefix="exo-prefill-", dir=shm if shm.is_dir() else None)
-            )
+            self._dir = Path(tempfile.mkdtemp(prefix="exo-prefill-", dir=ram))
             command = [sys.executable, "-m", __name__, self._model_path, str(self._dir)]
             command.append(str(self._step_size))
             self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)

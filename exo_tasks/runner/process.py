@@ -27,7 +27,9 @@ from exo_tasks.types import utcnow
 if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
     from tokenizers import Tokenizer
 
+    from exo_tasks.runner.engine import BatchEngine
     from exo_tasks.runner.lane import TokenDelta
+    from exo_tasks.runner.prefiller import Prefiller
     from exo_tasks.types import ChatMessage, SamplingParams
     from exo_tasks.wire import Tool
 
@@ -217,7 +219,7 @@ def load_engine(spec: RunnerSpec) -> Engine:
     import mlx.core as mx
     import mlx_lm
 
-    from exo_tasks.runner.engine import BatchEngine, weights_bytes
+    from exo_tasks.runner.engine import weights_bytes
     from exo_tasks.runner.prefiller import Prefiller
 
     check_model_path(spec.model_path)
@@ -229,13 +231,27 @@ def load_engine(spec: RunnerSpec) -> Engine:
         if minimum and on_cpu
         else None
     )
+    return build_engine(spec, model, tokenizer, lanes=spec.lanes, prefill_process=prefiller)
+
+
+def build_engine(
+    spec: RunnerSpec,
+    model: Any,
+    tokenizer: Any,
+    *,
+    lanes: int | None,
+    prefill_process: Prefiller | None = None,
+) -> BatchEngine:
+    """A batching engine over a loaded model (or a rank's shard), sized by the spec."""
+    from exo_tasks.runner.engine import BatchEngine
+
     return BatchEngine(
         model,
         tokenizer,
         completion_batch_size=spec.completion_batch_size,
         prefill_batch_size=spec.prefill_batch_size,
         prefill_step_size=spec.prefill_step_size,
-        lanes=spec.lanes,
+        lanes=lanes,
         prompt_cache_bytes=spec.prompt_cache_bytes,
-        prefill_process=prefiller,
+        prefill_process=prefill_process,
     )

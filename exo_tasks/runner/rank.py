@@ -20,6 +20,7 @@ from exo_tasks.runner.process import (
     Engine,
     RunnerProgress,
     RunnerSpec,
+    build_engine,
     check_model_path,
     rank_failure,
 )
@@ -88,20 +89,10 @@ def load_shard(spec: RunnerSpec, group: Any) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def build_engine(spec: RunnerSpec, model: Any, tokenizer: Any) -> BatchEngine:
+def rank_engine(spec: RunnerSpec, model: Any, tokenizer: Any) -> BatchEngine:
     """The rank's batching engine: one lane, so every rank runs its batch operations in one
     fixed order (the lanes of a single-host engine step on threads of their own)."""
-    from exo_tasks.runner.engine import BatchEngine
-
-    return BatchEngine(
-        model,
-        tokenizer,
-        completion_batch_size=spec.completion_batch_size,
-        prefill_batch_size=spec.prefill_batch_size,
-        prefill_step_size=spec.prefill_step_size,
-        lanes=1,
-        prompt_cache_bytes=spec.prompt_cache_bytes,
-    )
+    return build_engine(spec, model, tokenizer, lanes=1)
 
 
 def load_leader(spec: RunnerSpec, store: Store, collectives: Collectives) -> Engine:
@@ -111,7 +102,7 @@ def load_leader(spec: RunnerSpec, store: Store, collectives: Collectives) -> Eng
     with collectives.inside():  # mlx joins the ring, and may load, in C: no handler runs
         group = join_ring(spec, store)
         model, tokenizer = load_shard(spec, group)
-    return LeaderEngine(build_engine(spec, model, tokenizer), Channel(group), collectives)
+    return LeaderEngine(rank_engine(spec, model, tokenizer), Channel(group), collectives)
 
 
 class Follower:
@@ -147,7 +138,7 @@ class Follower:
         except ConfigError as exc:
             self.publish(RunnerStatus.FAILED, error=str(exc))
             return EXIT_CONFIG
-        self.engine = engine = build_engine(self.spec, model, tokenizer)
+        self.engine = engine = rank_engine(self.spec, model, tokenizer)
         # It warms up when rank 0 does (the first plan): following is what it is ready for.
         ready = (RunnerStatus.LOADED, RunnerStatus.WARMING_UP, RunnerStatus.READY)
         memory, peak = engine.memory
