@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -33,26 +32,17 @@ from exo_tasks.runner.lane import (
     TokenDelta,
     default_prefill_token_budget,
 )
-from exo_tasks.runner.lane_threads import LaneThread, run_here
+from exo_tasks.runner.lane_threads import LaneThread, default_lanes, run_here
 from exo_tasks.runner.prefiller import Prefiller
 from exo_tasks.runner.prompt_cache import PromptCache
 from exo_tasks.types import ChatMessage, SamplingParams
 from exo_tasks.wire import Tool
 
 log = logging.getLogger("exo_tasks.engine")
-MAX_AUTO_LANES = 8
 # Small batches side by side are slower than one batch on the CPU (bench model, 2 cores: two
 # lanes of 1 job make 17% fewer tokens/s than one lane of 2; two of 4, 7% more than one of 8;
 # two of 16, 61% more than one of 32), so a lane is opened only once the busy ones hold this.
 LANE_MIN_JOBS = 4
-
-
-def default_lanes() -> int:
-    """One lane on a GPU; on the CPU one per core this process may use (up to MAX_AUTO_LANES)."""
-    if mx.default_device() == mx.gpu:
-        return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, MAX_AUTO_LANES))
 
 
 def weights_bytes(model: Any) -> int:

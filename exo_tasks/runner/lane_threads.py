@@ -1,16 +1,29 @@
-"""Threads that run an engine's lanes: each lane's calls run one at a time on a thread of its
-own, for as long as the process lives (lane 0 runs on the caller's thread)."""
+"""Threads that run an engine's lanes, and how many lanes a host runs: each lane's calls run
+one at a time on a thread of its own, for as long as the process lives (lane 0 runs on the
+caller's thread)."""
 
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import mlx.core as mx
+
 T = TypeVar("T")
+MAX_AUTO_LANES = 8
+
+
+def default_lanes() -> int:
+    """One lane on a GPU; on the CPU one per core this process may use (up to MAX_AUTO_LANES)."""
+    if mx.default_device() == mx.gpu:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_AUTO_LANES))
 
 
 class LaneThread:

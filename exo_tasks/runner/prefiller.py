@@ -207,7 +207,7 @@ class Prefiller:
         """Chunks computed since the last call: progress for the runner's stall watchdog (a
         load under way counts as one)."""
         chunks, self._chunks = self._chunks, 0
-        return chunks + self._loading()
+        return chunks + (1 if self._loading() else 0)
 
     def _loading(self) -> bool:
         """Whether the process is loading the model for the prompts it holds; one that has not
