@@ -155,6 +155,13 @@ class Settings(BaseSettings):
         description="Bytes of KV state each runner keeps for reuse by prompts sharing a prefix "
         "(recent prompts and conversations, least recently used dropped first); 0: off.",
     )
+    direct_hand_over: bool = Field(
+        True,
+        description="A job whose runner has room is handed to it as it is submitted, and its "
+        "Celery task, sent to that runner's host, follows it once delivered: the job does not "
+        "wait for Celery's delivery and a pool child before its first step. Off: every job is "
+        "handed over by its task.",
+    )
     prefix_routing_ttl_s: float = Field(
         900.0,
         ge=0,

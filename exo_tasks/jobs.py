@@ -17,13 +17,21 @@ from redis import RedisError
 
 from config.celery import PRIORITY_LEVELS
 from config.settings import Settings
-from exo_tasks import lifecycle, limits, metrics, prefix_routing
+from exo_tasks import direct, lifecycle, limits, metrics, prefix_routing
 from exo_tasks.celery_app import INFERENCE_TASK
 from exo_tasks.commands import CancelJob
+from exo_tasks.direct import DirectRunner
 from exo_tasks.errors import ClientQuotaFull, Conflict, NotFound, QueueFull
 from exo_tasks.fairness import Client
 from exo_tasks.fleet import Fleet
-from exo_tasks.naming import find_model, host_queue, instance_queue, model_queue, model_slug
+from exo_tasks.naming import (
+    find_model,
+    host_of_queue,
+    host_queue,
+    instance_queue,
+    model_queue,
+    model_slug,
+)
 from exo_tasks.store import Store
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
@@ -69,12 +77,14 @@ def new_job_id() -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a job goes: its model (as served), its queue, and the instance that serves it
-    (None for a model runners hold whole)."""
+    """Where a job goes: its model (as served), its queue, the instance that serves it (None
+    for a model runners hold whole), and the runner that takes it as it is submitted, if one has
+    room (exo_tasks.direct; `queue` is then that runner's host's own)."""
 
     model: str
     queue: str
     instance: str | None = None
+    direct: DirectRunner | None = None
 
 
 def route(
@@ -96,6 +106,9 @@ def route(
         return Route(model, queue, instance.id)
     if store is not None and request.host is None:
         queue = _queue_by_prefix(store, fleet, settings, model, request) or queue
+    runner = direct.pick(fleet, settings, model, host_of_queue(queue))
+    if runner is not None:
+        return Route(model, host_queue(runner.host), direct=runner)
     return Route(model, queue)
 
 
@@ -156,7 +169,8 @@ def submit(
     `client`'s, 429: the client backs off, Redis does not fill up, other clients go on. The job
     waits at the step of its priority class its client's waiting jobs give it (fairness.py).
     `job_id`: one chosen beforehand (new_job_id), already given to the client; `where`: its
-    route, if already found; `client`: who sent it (exo_tasks.fairness)."""
+    route, if already found; `client`: who sent it (exo_tasks.fairness). A job its route gives
+    a runner with room is handed to it before its message is sent (exo_tasks.direct)."""
     where = where or route(Fleet.load(store), settings, request, store)
     job = JobRecord(
         id=job_id or new_job_id(), model=where.model, request=request, instance=where.instance
@@ -167,7 +181,12 @@ def submit(
     refuse_if_full(where.queue, admitted.depth, settings)
     refuse_over_quota(client, admitted.client_waiting, settings)
     assert admitted.step is not None, "a job refused by neither count was created"
-    send(celery, settings, job, where.queue, admitted.step)
+    queue = where.queue
+    if where.direct is not None and not direct.hand_over(store, settings, job, where.direct):
+        # Its runner filled up since the fleet was read: the job waits in Celery's queue.
+        queue = queue_of(job)
+        store.jobs.set_queue(job.id, queue)
+    send(celery, settings, job, queue, admitted.step)
     return job
 
 

@@ -134,15 +134,19 @@ def requeue(job: JobRecord, *, only_from_owner: bool = False) -> Move:
 HAND_OVER_FROM: tuple[JobStatus, ...] = (QUEUED,)
 
 
-def start(job: JobRecord, *, host: str, runner_id: str, owner: str) -> JobRecord:
-    """The job as its task hands it to a runner: running there, held by `owner`. Whether it
-    may still move (from HAND_OVER_FROM) is the store's compare-and-set to decide."""
+def start(
+    job: JobRecord, *, host: str, runner_id: str, owner: str, direct: bool = False
+) -> JobRecord:
+    """The job as it is handed to a runner: running there, held by `owner`. Whether it may
+    still move (from HAND_OVER_FROM) is the store's compare-and-set to decide. `direct`: handed
+    over as it was submitted, by the API (exo_tasks.direct), not by its task."""
     update = {
         "status": RUNNING,
         "started_at": utcnow(),
         "host": host,
         "runner_id": runner_id,
         "owner": owner,
+        "direct": direct,
     }
     return job.model_copy(update=update)
 
@@ -156,16 +160,19 @@ class Delivery(enum.Enum):
     UNKNOWN = "unknown"  # expired, or never recorded
     ENDED = "ended"  # cancelled while queued, or finished by an earlier delivery
     REDELIVERED = "redelivered"  # running: a duplicate, or its worker died
+    FOLLOW = "follow"  # running: handed over as it was submitted, held by this very worker
     START = "start"
 
 
-def on_delivery(job: JobRecord | None) -> Delivery:
+def on_delivery(job: JobRecord | None, incarnation: str) -> Delivery:
+    """What the worker incarnation `incarnation` does with the job its message names."""
     if job is None:
         return Delivery.UNKNOWN
     if job.is_terminal:
         return Delivery.ENDED
     if job.status == RUNNING:
-        return Delivery.REDELIVERED
+        direct = job.direct and job.owner == incarnation
+        return Delivery.FOLLOW if direct else Delivery.REDELIVERED
     return Delivery.START
 
 

@@ -272,6 +272,11 @@ class JobEnding(BaseModel):
     owner: str | None = Field(
         None, description="The worker incarnation that holds the current attempt while running."
     )
+    direct: bool = Field(
+        False,
+        description="The current attempt was handed to its runner as the job was submitted "
+        "(EXO_DIRECT_HAND_OVER); its task, once delivered, follows it.",
+    )
 
     @property
     def is_terminal(self) -> bool:

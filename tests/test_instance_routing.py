@@ -31,6 +31,7 @@ HELD = ("held-a", "held-b")
 JOB = {"prompt": "hi", "max_tokens": 4}
 STARTING, READY = InstanceStatus.STARTING, InstanceStatus.READY
 READY_RUNNER = RunnerStatus.READY
+LOADING = RunnerStatus.LOADING
 
 
 @pytest.fixture(autouse=True)
@@ -160,9 +161,10 @@ def test_a_model_whose_whole_runners_are_all_down_goes_to_its_instance(
     store.instances.place(instance)
     placed.append(instance.id)
     move_instance(store, instance.id, STARTING, READY)
-    # A held host serving omega whole, its runner Ready (published as a supervisor does).
+    # A held host serving omega whole, its runner loading (published as a supervisor does; a
+    # Ready one would take the job as it is submitted, exo_tasks.direct, and nothing runs it).
     whole = RunnerState(
-        id=runner_id_for("omega", "held-w"), host="held-w", model="omega", status=READY_RUNNER
+        id=runner_id_for("omega", "held-w"), host="held-w", model="omega", status=LOADING
     )
     with held_hosts(store, "held-w", models=["omega"]), held_runner(store, whole):
         job = queued_job(api, model="omega")

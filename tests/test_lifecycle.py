@@ -104,10 +104,21 @@ def test_a_start_marks_the_job_running_where_it_was_handed() -> None:
 
 
 def test_what_a_delivery_finds() -> None:
-    assert lifecycle.on_delivery(None) is Delivery.UNKNOWN
-    assert lifecycle.on_delivery(new_job(status=C)) is Delivery.ENDED
-    assert lifecycle.on_delivery(new_job(status=R)) is Delivery.REDELIVERED
-    assert lifecycle.on_delivery(new_job()) is Delivery.START
+    me = "h:1:1"
+    assert lifecycle.on_delivery(None, me) is Delivery.UNKNOWN
+    assert lifecycle.on_delivery(new_job(status=C), me) is Delivery.ENDED
+    assert lifecycle.on_delivery(new_job(status=R, owner=me), me) is Delivery.REDELIVERED
+    assert lifecycle.on_delivery(new_job(), me) is Delivery.START
+
+
+def test_a_job_handed_over_at_its_submission_is_followed_by_its_holders_task_only() -> None:
+    me = "h:1:1"
+    direct = lifecycle.start(new_job(), host="h", runner_id="m@h", owner=me, direct=True)
+    assert lifecycle.on_delivery(direct, me) is Delivery.FOLLOW
+    # The worker that held it was restarted: a redelivery (its owner is judged, then requeued).
+    assert lifecycle.on_delivery(direct, "h:1:2") is Delivery.REDELIVERED
+    # Requeued, it is handed over by a task again, like any job.
+    assert not lifecycle.requeue(direct).record.direct
     assert lifecycle.is_first_attempt(new_job())
     assert not lifecycle.is_first_attempt(new_job(attempts=1))
 

@@ -281,6 +281,23 @@ def test_a_step_streams_tokens_and_ends_jobs_through_the_outbox(runner: Runner) 
     assert runner.outbox.state.largest_batch == 2 and runner.outbox.state.active_jobs == 1
 
 
+def test_a_job_handed_over_twice_runs_once_in_its_latest_attempt(runner: Runner) -> None:
+    """A runner that died with its inbox unread leaves the job's hand-over to the next runner
+    of its name, which also gets the job's next attempt (exo_tasks.direct makes it likelier):
+    neither is refused as a duplicate, and the later attempt is the one that runs."""
+    first = submit()
+    runner.in_flight.admit(first)
+    runner.in_flight.admit(first)  # the same attempt again: dropped
+    later = first.job.model_copy(update={"attempts": 1})
+    runner.in_flight.admit(first.model_copy(update={"job": later}))
+    runner.in_flight.admit(first)  # the earlier attempt, late: dropped
+    assert runner.outbox.endings == []  # no refusal
+    assert runner.in_flight.jobs[first.job.id].record.attempts == 1
+    assert list(engine_of(runner).jobs) == [first.job.id]
+    runner._step()
+    assert len(engine_of(runner).jobs) == 1 and engine_of(runner).sampled[first.job.id] == 1
+
+
 def test_a_succeeded_jobs_prefixes_are_written_with_its_end_and_no_other_jobs(
     runner: Runner,
 ) -> None:

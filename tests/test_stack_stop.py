@@ -27,8 +27,10 @@ import requests
 from config.settings import DEFAULT_PRESET
 from exo_tasks.fleet_types import RunnerState
 from exo_tasks.launcher import PROCFILE, RecordedProcess, StackRecord
+from exo_tasks.naming import host_queue
 from exo_tasks.redis_server import ORPHANED_WORKER_WAIT_S, WORKER_WAIT_S
 from exo_tasks.store import Store
+from exo_tasks.store.keys import job_key
 from exo_tasks.types import model_queue, runner_id_for
 from tests.support.launcher import HOST, JOBS, LONG_JOB, LocalStack
 from tests.support.processes import (
@@ -107,14 +109,21 @@ def stopped_store(stack: LocalStack) -> Iterator[Store]:
 
 
 def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
-    """Every job is queued again, once, with its message back in the model's queue."""
+    """Every job is queued again, once, with its message back in the queue it was sent to:
+    the model's, or for a job handed to its runner as it was submitted (exo_tasks.direct), its
+    host's own, which the host's next worker consumes first."""
     with stopped_store(stack) as store:
         for job_id in ids:
             job = store.jobs.get(job_id)
             assert job is not None and job.status == "queued" and job.attempts == 1, job
             events = [event.event for _, event in store.streams.read_events(job_id)]
             assert events.count("requeued") == 1, events
-        assert store.jobs.queue_depth(model_queue(DEFAULT_PRESET)) == len(ids)
+        queues = {
+            model_queue(DEFAULT_PRESET),
+            *(store.redis.hget(job_key(j), "queue") for j in ids),
+        }
+        assert queues <= {model_queue(DEFAULT_PRESET), host_queue(HOST)}, queues
+        assert sum(store.jobs.queue_depth(queue) for queue in queues) == len(ids)
         assert store.redis.hlen("unacked") == 0
 
 

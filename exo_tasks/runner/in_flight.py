@@ -54,6 +54,8 @@ class InFlight:
     def admit(self, command: SubmitJob) -> None:
         # Its task marked the job running as it handed it over: nothing to write to start it.
         job = command.job
+        if not self._replaces_what_it_holds(job):
+            return
         try:
             prompt = intake.prompt_tokens_of(self.loaded, job.request, self.spec.max_prompt_tokens)
             self.loaded.add(job.id, prompt, job.request)
@@ -78,6 +80,23 @@ class InFlight:
         self.record_progress(progressed=True)
         log.info("job admitted", extra={"job_id": job.id, "prompt_tokens": len(prompt)})
         self.outbox.jobs_changed()
+
+    def _replaces_what_it_holds(self, job: JobRecord) -> bool:
+        """A job handed over while this runner holds it already: a runner that died with its
+        inbox unread leaves its hand-overs to the next runner of its name, and the job, requeued
+        meanwhile, is handed over again. Its later attempt replaces the earlier one (whose
+        tokens no one follows any more); the same attempt again is dropped."""
+        held = self.jobs.get(job.id)
+        if held is None:
+            return True
+        extra = {"job_id": job.id, "attempt": job.attempts, "held": held.record.attempts}
+        if job.attempts <= held.record.attempts:
+            log.warning("job handed over again in an attempt held already; dropped", extra=extra)
+            return False
+        del self.jobs[job.id]
+        self.loaded.remove(job.id)
+        log.warning("job handed over in a later attempt; the earlier one dropped", extra=extra)
+        return True
 
     def send_back(self, job_id: str) -> None:
         """A job handed over while the runner stops: never started, back to the queue."""

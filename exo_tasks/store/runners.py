@@ -27,17 +27,26 @@ RUNNER_HISTORY_KEPT = 50
 
 _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 
-# KEYS: job hash, the runner's jobs, the runner's inbox. Arguments (NAMED_ARGS): `record`, the
-# job's as running; `job_id`; `command`, the submit command; `owner`, the worker incarnation
-# that now owns it; `attempt`, the job's (its requeues so far); `runner_id`; `status`, the new
-# one; `allowed_from`, the statuses it may move from (exo_tasks.lifecycle, `one_set`). A queued
-# job is marked running, counted as the runner's and put in its inbox at once; a job no longer
-# queued (cancelled meanwhile) is left alone.
+# KEYS: job hash, the runner's jobs, the runner's inbox, then the jobs of every runner on its
+# host (`room` > 0 only). Arguments (NAMED_ARGS): `record`, the job's as running; `job_id`;
+# `command`, the submit command; `owner`, the worker incarnation that now owns it; `attempt`,
+# the job's (its requeues so far); `runner_id`; `status`, the new one; `allowed_from`, the
+# statuses it may move from (exo_tasks.lifecycle, `one_set`); `room`, the most jobs the runner
+# may hold already (0: no limit), and `host_room` the most its host's runners may hold together.
+# A queued job is marked running, counted as the runner's and put in its inbox at once; a job
+# no longer queued (cancelled meanwhile), or one for a runner or host without room, is left
+# alone.
 HAND_OVER = (
     NAMED_ARGS
     + f"""
 local current = redis.call('HGET', KEYS[1], 'status')
 if not one_of(current, a.allowed_from) then return 0 end
+if tonumber(a.room) > 0 then
+  if redis.call('SCARD', KEYS[2]) >= tonumber(a.room) then return 0 end
+  local on_host = 0
+  for i = 4, #KEYS do on_host = on_host + redis.call('SCARD', KEYS[i]) end
+  if on_host >= tonumber(a.host_room) then return 0 end
+end
 {leave_waiting("a.status", "a.job_id")}
 redis.call('HSET', KEYS[1], 'status', a.status, 'record', a.record)
 redis.call('HSET', KEYS[1], 'owner', a.owner, 'runner', a.runner_id, 'attempt', a.attempt)
@@ -46,6 +55,17 @@ redis.call('RPUSH', KEYS[3], a.command)
 return 1
 """
 )
+
+
+@dataclass(frozen=True)
+class Room:
+    """The most jobs a runner (`runner`), and every runner of its host together (`host`, the
+    runners `host_runners`), may hold already for one more to be handed over: a full batch,
+    and its host's pool children (each job's task holds one)."""
+
+    runner: int
+    host: int
+    host_runners: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -105,12 +125,15 @@ class RunnerRecords(RedisPart):
 
     # --- a runner's inbox and the jobs handed to it ---
 
-    def hand_over(self, runner_id: str, command: SubmitJob) -> bool:
+    def hand_over(self, runner_id: str, command: SubmitJob, room: Room | None = None) -> bool:
         """Mark a queued job running (`command.job` is its record so, naming its owner) and put
         it in the runner's inbox, in one step: the runner starts it without a write of its own.
-        False if the job is no longer queued."""
+        False if the job is no longer queued, or if the runner or its host has no `room` left
+        (None: no limit)."""
         job = command.job
         keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
+        if room is not None:
+            keys += [runner_key(other, "jobs") for other in room.host_runners]
         args = named(
             record=job.model_dump_json(context=STORED),
             job_id=job.id,
@@ -120,6 +143,8 @@ class RunnerRecords(RedisPart):
             runner_id=runner_id,
             status=job.status,
             allowed_from=one_set(lifecycle.HAND_OVER_FROM),
+            room=room.runner if room is not None else 0,
+            host_room=room.host if room is not None else 0,
         )
         return bool(self.script(HAND_OVER)(keys=keys, args=args))
 

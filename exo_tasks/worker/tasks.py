@@ -90,10 +90,12 @@ def _time_out_a_task_cut_before_its_body(
 
 @dataclass(frozen=True)
 class Prepared:
-    """A delivered job to run: its record and its runner's state, as read together."""
+    """A delivered job to run: its record and its runner's state, as read together;
+    `handed_over`: the job is on its runner already (exo_tasks.direct), to be followed."""
 
     job: JobRecord
     runner: RunnerState | None
+    handed_over: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,10 +132,14 @@ def inference(self: Task[Any, Any], job_id: str, model: str) -> dict[str, Any]:
         prepared = _prepare(store, job_id, runner_id, app.incarnation)
         if isinstance(prepared, Skipped):
             return task_states.finish(self, job_id, prepared.job)
-        attempt = _hand_over(self, prepared, runner_id)
+        attempt = (
+            _follow_direct(prepared)
+            if prepared.handed_over
+            else _hand_over(self, prepared, runner_id)
+        )
         if attempt is None:
             return task_states.finish(self, job_id, store.jobs.get(job_id))  # cancelled meanwhile
-        log.info("job handed to runner", extra=extra)
+        log.info("job handed to runner", extra={**extra, "direct": prepared.handed_over})
         max_tokens = prepared.job.request.max_tokens
         progress = task_states.TaskProgress(
             self, max_tokens, attempt.events_before, attempt.runner.id
@@ -186,12 +192,14 @@ def _prepare(store: Store, job_id: str, runner_id: str, incarnation: str) -> Pre
         job, state = store.jobs.with_runner(job_id, runner_id)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise Reject(f"Redis unreachable ({exc}); requeued", requeue=True) from exc
-    delivery = lifecycle.on_delivery(job)
+    delivery = lifecycle.on_delivery(job, incarnation)
     if job is None or delivery is lifecycle.Delivery.UNKNOWN:
         log.warning("job unknown or expired; skipped", extra={"job_id": job_id})
         return Skipped(None)
     if delivery is lifecycle.Delivery.ENDED:
         return Skipped(job)
+    if delivery is lifecycle.Delivery.FOLLOW:
+        return Prepared(job, state, handed_over=True)
     if delivery is lifecycle.Delivery.REDELIVERED:
         if job.owner == incarnation or _owner_lives(store, job):
             extra = {"job_id": job_id, "runner": runner_id}
@@ -216,6 +224,14 @@ def _owner_lives(store: Store, job: JobRecord) -> bool:
             return False
         time.sleep(OWNER_BEAT_POLL_S)
     return True
+
+
+def _follow_direct(prepared: Prepared) -> Attempt:
+    """A job handed to its runner as it was submitted (exo_tasks.direct): its first attempt,
+    followed from its start. Its runner gone meanwhile (its record too): RunnerGone."""
+    if prepared.runner is None:
+        raise RunnerGone(f"runner {prepared.job.runner_id} is gone")
+    return Attempt(prepared.runner, "0-0", 0)
 
 
 def _hand_over(task: Task[Any, Any], prepared: Prepared, runner_id: str) -> Attempt | None:

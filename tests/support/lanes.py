@@ -28,6 +28,7 @@ LANES: dict[str, tuple[str, ...]] = {
     # The session's stack: stop timings and recovery (mostly waiting), then the rest.
     "hosts": (
         "tests/test_recovery.py",
+        "tests/test_direct.py",
         "tests/test_idle_unload.py",
         "tests/test_shutdown.py",
         "tests/chaos/test_long_prompts.py",

@@ -13,12 +13,12 @@ import redis
 from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu.exceptions import DecodeError
 
-from exo_tasks import jobs
+from exo_tasks import jobs, lifecycle
 from exo_tasks.commands import CancelJob, RunnerCommand, StartRunnerRequest, SubmitJob
 from exo_tasks.errors import RunnerGone
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.naming import host_queue, model_queue
-from exo_tasks.types import JobEnding, JobRecord, JobStatus, utcnow
+from exo_tasks.types import DoneEvent, JobEnding, JobRecord, JobStatus, utcnow
 from exo_tasks.worker import tasks
 from exo_tasks.worker.task_states import JobEnded
 from tests.unit.fakes import (
@@ -128,6 +128,33 @@ class TestPrepare:
         monkeypatch.setattr(store.hosts, "owner_is_live", lambda job: beats("other") is not None)
         assert tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION) == tasks.Skipped(job)
         assert store.jobs.records[job.id] == job
+
+    def test_a_job_handed_over_at_its_submission_is_followed_not_handed_over_again(
+        self, store: FakeStore
+    ) -> None:
+        """exo_tasks.direct: the API put the job in the runner's inbox, held by this worker;
+        its message comes later, and its task follows the job to its ending."""
+        job = lifecycle.start(new_job(), host=HOST, runner_id=RUNNER_ID, owner=INCARNATION)
+        job = store.jobs.add(job.model_copy(update={"direct": True}))
+        prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION)
+        assert prepared == tasks.Prepared(job, store.runners.states[RUNNER_ID], handed_over=True)
+        final = job.ended(RS.SUCCEEDED, text="hi", finish_reason="length", completion_tokens=4)
+        store.streams.append(job.id, DoneEvent(event="done", job=final))
+        result = inference(FakeTask(store), job.id, "tiny")
+        assert (result["job_id"], result["status"]) == (job.id, RS.SUCCEEDED)
+        assert store.runners.inboxes[RUNNER_ID] == []  # not handed over a second time
+
+    def test_a_job_handed_over_at_its_submission_whose_worker_restarted_is_requeued(
+        self, store: FakeStore
+    ) -> None:
+        """Its holder (this host's previous worker) is gone before the message came: the
+        delivery requeues the job and runs it, as for any job of a dead worker."""
+        store.hosts.live_owners.add(INCARNATION)
+        old = lifecycle.start(new_job(), host=HOST, runner_id=RUNNER_ID, owner=f"{HOST}:0:1")
+        job = store.jobs.add(old.model_copy(update={"direct": True}))
+        prepared = tasks._prepare(store.as_store, job.id, RUNNER_ID, INCARNATION)
+        assert isinstance(prepared, tasks.Prepared) and not prepared.handed_over
+        assert (prepared.job.status, prepared.job.attempts) == (RS.QUEUED, 1)
 
     def test_a_queued_job_is_prepared_with_its_runner(self, store: FakeStore) -> None:
         job = store.jobs.add(new_job())
