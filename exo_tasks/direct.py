@@ -23,6 +23,7 @@ from exo_tasks.commands import SubmitJob
 from exo_tasks.fleet import Fleet
 from exo_tasks.naming import runner_id_for
 from exo_tasks.store import Store
+from exo_tasks.store.client import ScriptCall
 from exo_tasks.store.runners import Room
 from exo_tasks.types import JobRecord
 
@@ -59,10 +60,10 @@ def pick(fleet: Fleet, settings: Settings, model: str, host: str | None) -> Dire
     return DirectRunner(runner.id, state.name, state.incarnation, room)
 
 
-def hand_over(store: Store, settings: Settings, job: JobRecord, runner: DirectRunner) -> bool:
-    """Put the just-created `job` in `runner`'s inbox, running and held by its host's worker,
-    with its deadlines from now; False (the job still queued) if the runner or its host has
-    no room left after all."""
+def hand_over(store: Store, settings: Settings, job: JobRecord, runner: DirectRunner) -> ScriptCall:
+    """The hand-over of the job just created to `runner`, running and held by its host's
+    worker, with its deadlines from now: a script call to run with the job's creation
+    (Store.create), which hands nothing over if the runner or its host has no room left."""
     started = lifecycle.start(
         job, host=runner.host, runner_id=runner.runner_id, owner=runner.owner, direct=True
     )
@@ -70,4 +71,4 @@ def hand_over(store: Store, settings: Settings, job: JobRecord, runner: DirectRu
         time.time()
     )
     command = SubmitJob(job=started, soft_deadline=soft_deadline, deadline=deadline)
-    return store.runners.hand_over(runner.runner_id, command, runner.room)
+    return store.runners.handing(runner.runner_id, command, runner.room)

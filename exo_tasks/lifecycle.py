@@ -9,6 +9,8 @@ cancel to move a job wins.
       ▲                      │
       └──────requeue─────────┘   (its worker stopped or died: attempts + 1, `event: requeued`)
     queued ──▶ cancelled | timed_out | failed   (before any runner had it)
+
+The hand-over is its task's, or the API's as the job is submitted (exo_tasks.direct).
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ PROMPTS = [
 ]
 
 
+# The step at which mlx-lm's BatchGenerator gives a prompt its first token.
+GENERATOR_FIRST_STEP = 3
+
+
 @pytest.fixture(
     params=[(1, None), (2, None), (2, 0)], ids=["one_lane", "two_lanes", "two_lanes_no_budget"]
 )
@@ -252,11 +256,10 @@ def test_a_short_prompt_joins_a_long_ones_prefill_and_ends_it_where_it_ends(
         run.until_done()
         assert run.text("long") == alone(tiny_loaded, long_prompt, 8)[0]
         assert run.text("short") == alone(tiny_loaded, SHORT, 8)[0]
-        # As soon as on an idle engine, and well before the long one's first token.
-        idle = Run(engine)
-        idle.add("short", SHORT, max_tokens=8)
-        idle.until_done()
-        assert run.first_step["short"] - 1 == idle.first_step["short"]
+        # As soon as the generator gives a joining prompt its first token (three steps: the
+        # prompt but its last token, the last token, the token out), well before the long
+        # one's first token.
+        assert run.first_step["short"] - 1 == GENERATOR_FIRST_STEP
         assert run.first_step["long"] > run.first_step["short"] + 2
     finally:
         engine.close()
@@ -370,5 +373,57 @@ def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
         run.until_done()
         for i, prompt in enumerate(PROMPTS[:5]):
             assert run.text(f"after-{i}") == alone(tiny_loaded, prompt, 10)[0]
+    finally:
+        engine.close()
+
+
+def test_a_lone_job_gets_its_first_token_from_one_pass_and_keeps_its_text(
+    tiny_loaded: tuple[Any, Any], engine: BatchEngine
+) -> None:
+    """A job alone in an idle engine: its first token from one forward pass over its prompt,
+    at the first step (not the generator's third), then the generator from that state: the
+    text of mlx-lm's own generation, greedy; seeded, the text it has in a batch."""
+    lone = Run(engine)
+    lone.add("greedy", "Once upon a time", max_tokens=20)
+    lone.until_done()
+    assert lone.first_step["greedy"] == 1
+    assert lone.text("greedy") == alone(tiny_loaded, "Once upon a time", 20)[0]
+    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 20}
+    lone.add("seeded", "Once upon a time", **seeded)
+    lone.until_done()
+    batch = Run(engine)
+    batch.add("other", "xyz", max_tokens=20)
+    batch.add("seeded", "Once upon a time", **seeded)
+    batch.until_done()
+    assert batch.first_step["seeded"] >= GENERATOR_FIRST_STEP  # from the generator
+    assert lone.text("seeded") == batch.text("seeded")
+    # A one-token job ends at its first step, and leaves the engine empty.
+    one = Run(engine)
+    one.add("one", "Hello", max_tokens=1)
+    assert [(d.job_id, d.finish_reason) for d in one.step()] == [("one", "length")]
+    assert engine.active_jobs == 0 and engine.lane_jobs == [0] * engine.lanes
+
+
+def test_a_lone_jobs_pass_starts_from_its_cached_prefix_and_a_long_rest_uses_the_generator(
+    tiny_loaded: tuple[Any, Any],
+) -> None:
+    engine = BatchEngine(*tiny_loaded, lanes=1, prefill_step_size=64, prompt_cache_bytes=1 << 26)
+    try:
+        run = Run(engine)
+        story = "Once upon a time there was a queue of jobs, " * 3
+        run.add("first", story, max_tokens=4)
+        run.until_done()
+        run.add("again", story + "and then", max_tokens=12)
+        run.until_done()
+        assert run.first_step["again"] == run.steps - 11  # its first token at its first step
+        assert (run.deltas["again"][0].cached_tokens or 0) > 0  # from the first job's prompt
+        assert run.text("again") == alone(tiny_loaded, story + "and then", 12)[0]
+        # More than a step's prefill left to compute: the generator's steps, as before.
+        long_prompt = "".join(f"{i} little pigs; " for i in range(12))
+        start = run.steps
+        run.add("long", long_prompt, max_tokens=4)
+        run.until_done()
+        assert run.first_step["long"] - start > 1
+        assert run.text("long") == alone(tiny_loaded, long_prompt, 4)[0]
     finally:
         engine.close()

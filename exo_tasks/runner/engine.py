@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 from tokenizers import Tokenizer
 
-from exo_tasks.runner import prefill_pace, sampling, toolcalls
+from exo_tasks.runner import first_token, prefill_pace, sampling, toolcalls
 from exo_tasks.runner.lane import (
     PREFILL_STEP_SIZE,
     Advance,
@@ -217,8 +217,9 @@ class BatchEngine:
 
     def step(self) -> list[TokenDelta]:
         """Run one prefill/decode step of every lane; one delta per job that sampled a token
-        (a first token from the prefill process included)."""
+        (a first token from the prefill process, or a lone job's, included)."""
         first = self._rejoin(self._prefiller) if self._prefiller is not None else []
+        first += self._start_lone_job()
         deltas = first + self.admit_waiting() + self.advance(self.prefill_sizes())
         if self._prefiller is not None:
             self._prefill_chunks += self._prefiller.take_chunks()
@@ -234,19 +235,38 @@ class BatchEngine:
             first = lane.call(Prefiller.first_token, done, job) if done is not None else None
             if first is None:
                 lane.waiting.appendleft(job)
-                continue
-            token, logprobs, finish, cache = first
-            delta = job.take(token, logprobs, finish, self._eos_ids, self._decode)
-            if job.sampler_error:
-                delta = TokenDelta(job.job_id, "", 0, None, job.sampler_error)
-            deltas.append(delta)
-            if delta.finish_reason is None and delta.error is None:
-                lane.waiting.appendleft(job)
-                continue
-            del self._where[job.job_id]
-            if delta.error is None:
-                self.prompt_cache.store(job.prompt, cache)
+            else:
+                deltas.append(self._begun(lane, job, first))
         return deltas
+
+    def _start_lone_job(self) -> list[TokenDelta]:
+        """A job alone in an idle engine: its first token from one pass (first_token)."""
+        lane = next((lane for lane in self._lanes if lane.waiting), None)
+        if lane is None or sum(map(len, self._lanes)) != 1:
+            return []
+        started = first_token.start_alone(lane, self.prompt_cache)
+        if started is None:
+            return []
+        job, first = started
+        if isinstance(first, Exception):
+            del self._where[job.job_id]
+            return [TokenDelta(job.job_id, "", 0, None, f"could not start: {first!r}")]
+        return [self._begun(lane, job, first)]
+
+    def _begun(self, lane: Lane, job: LaneJob, first: first_token.First) -> TokenDelta:
+        """A job's first token, computed outside its lane's generator: the job back to its
+        lane, first in line, unless that token ended it (its prompt's state then cached)."""
+        token, logprobs, finish, cache = first
+        delta = job.take(token, logprobs, finish, self._eos_ids, self._decode)
+        if job.sampler_error:
+            delta = TokenDelta(job.job_id, "", 0, None, job.sampler_error)
+        if delta.finish_reason is None and delta.error is None:
+            lane.waiting.appendleft(job)
+            return delta
+        del self._where[job.job_id]
+        if delta.error is None:
+            self.prompt_cache.store(job.prompt, cache)
+        return delta
 
     def admit_waiting(self) -> list[TokenDelta]:
         """A step's first part: let each lane's waiting jobs into its generator; a failure

@@ -194,6 +194,7 @@ class Lane:
         prefill_token_budget: int = 0,
     ) -> None:
         self.submit = submit
+        self.model = model
         self.prefill_batch_size = prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.prefill_token_budget = prefill_token_budget  # 0: no budget

@@ -49,15 +49,9 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, Literal
 import psutil
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from exo_tasks.runner.prompt_cache import Lookup
-
 if TYPE_CHECKING:
-    import mlx.core as mx
-
-    from exo_tasks.runner.lane import EngineFinish, LaneJob
-
-    # A job's first token, its log-probabilities, its end if it ended it, the prompt's KV state.
-    First = tuple[int, mx.array, EngineFinish | None, list[Any]]
+    from exo_tasks.runner.first_token import First
+    from exo_tasks.runner.lane import LaneJob
 
 log = logging.getLogger("exo_tasks.runner.prefiller")
 # How long the runner's step waits for the process when it has nothing else to do.
@@ -283,8 +277,6 @@ class Prefiller:
         import mlx.core as mx
         from mlx_lm.models.cache import load_prompt_cache
 
-        from exo_tasks.runner import sampling
-
         try:
             cache = load_prompt_cache(done.path)  # type: ignore[no-untyped-call]
             logits = mx.load(done.logits_path)
@@ -295,17 +287,9 @@ class Prefiller:
             return None
         finally:
             done.remove()
-        processors = job.insert["logits_processors"][0]
-        token, logprobs = sampling.first_token(logits, job.prompt, processors, job.sampler)
-        (max_tokens,) = job.insert["max_tokens"]
-        finish: EngineFinish | None = "length" if max_tokens == 1 else None
-        if job.insert["stop_sequences"][0].matcher().advance(token):
-            finish = "stop"
-        job.prefilled_elsewhere = True
-        if finish is None:
-            job.lookup = Lookup(cache, [token], len(job.prompt))
-            job.insert = {**job.insert, "max_tokens": [max_tokens - 1]}
-        return token, logprobs, finish, cache
+        from exo_tasks.runner.first_token import begin
+
+        return begin(job, logits, cache)
 
     def close(self) -> None:
         """Stop the process (its stdin ends: it exits) and remove its files."""

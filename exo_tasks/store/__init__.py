@@ -24,11 +24,11 @@ from typing import Any
 import redis
 
 from exo_tasks.store.batches import BatchRecords
-from exo_tasks.store.client import connect, redis_waits
+from exo_tasks.store.client import ScriptCall, connect, redis_waits
 from exo_tasks.store.files import FileRecords
 from exo_tasks.store.hosts import HostRecords
 from exo_tasks.store.instances import InstanceRecords
-from exo_tasks.store.jobs import JobRecords, JobWhereabouts
+from exo_tasks.store.jobs import Admission, JobRecords, JobWhereabouts
 from exo_tasks.store.keys import (
     PREFIX,
     endings_key,
@@ -79,6 +79,15 @@ class Store:
 
     def ping(self) -> bool:
         return bool(self.redis.ping())
+
+    def create(self, creation: ScriptCall, hand_over: ScriptCall) -> tuple[Admission, bool]:
+        """A job's creation (JobRecords.creation), then its hand-over to a runner
+        (RunnerRecords.handing: none if the creation was refused), in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        creation.queue_on(pipe)
+        hand_over.queue_on(pipe)
+        created, handed = pipe.execute()
+        return Admission.of(created), bool(handed)
 
     def drop_connections(self) -> None:
         """Close every connection, after an exception raised from outside (a signal's) that

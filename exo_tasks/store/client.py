@@ -4,6 +4,7 @@ out (exo_tasks.errors reads an out-of-memory reply)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -53,6 +54,20 @@ end
 Arg = str | int | float
 
 
+@dataclass(frozen=True)
+class ScriptCall:
+    """One call of a Lua script, to run alone (`RedisPart.run`) or with others in one round
+    trip (`queue_on` a pipeline: EVAL with its text, for a pipeline's EVALSHA would first ask
+    SCRIPT EXISTS, a round trip of its own)."""
+
+    text: str
+    keys: list[str]
+    args: list[Arg]
+
+    def queue_on(self, pipe: Any) -> None:
+        pipe.eval(self.text, len(self.keys), *self.keys, *self.args)
+
+
 def named(**args: Arg) -> list[Arg]:
     """A script's arguments by name, for a script that begins with NAMED_ARGS."""
     return [item for pair in args.items() for item in pair]
@@ -80,6 +95,9 @@ class RedisPart:
         if registered is None:
             registered = self._scripts[text] = self.redis.register_script(text)
         return registered
+
+    def run(self, call: ScriptCall) -> Any:
+        return self.script(call.text)(keys=call.keys, args=call.args)
 
     def start_after(self, index: str, after: str | None) -> int | None:
         """Where a newest-first page of a sorted-set index starts: just past `after` (0 without

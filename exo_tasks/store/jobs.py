@@ -19,7 +19,7 @@ from config.celery import PRIORITY_CLASSES
 from exo_tasks import fairness, lifecycle, metrics
 from exo_tasks.broker import WITHDRAW, queue_lists
 from exo_tasks.fleet_types import RunnerState
-from exo_tasks.store.client import Arg, RedisPart, named, one_set
+from exo_tasks.store.client import Arg, RedisPart, ScriptCall, named, one_set
 from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.store.job_scripts import CREATE_UNLESS_FULL, TRANSITION
 from exo_tasks.store.keys import (
@@ -55,6 +55,12 @@ class Admission:
     depth: int
     client_waiting: int
     step: int | None
+
+    @classmethod
+    def of(cls, reply: list[int]) -> Admission:
+        """From the creation script's reply (a step of -1: not created)."""
+        depth, waiting, step = reply
+        return cls(int(depth), int(waiting), None if step < 0 else int(step))
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,12 @@ class JobRecords(RedisPart):
         """Record a new job unless `queue` holds `max_queued` messages already or `client`
         (a fairness.Client key; None: counted nowhere) has `quota` jobs waiting, in one round
         trip, and give it its priority step (exo_tasks.fairness)."""
+        return Admission.of(self.run(self.creation(job, queue, max_queued, client, quota)))
+
+    def creation(
+        self, job: JobRecord, queue: str, max_queued: int, client: str | None = None, quota: int = 0
+    ) -> ScriptCall:
+        """`create`'s script call, to run with others (Store.create)."""
         priority = job.request.priority
         classes = sorted(PRIORITY_CLASSES, key=lambda name: name != priority)
         sets = [client_key(client, name) for name in classes] if client else []
@@ -112,8 +124,7 @@ class JobRecords(RedisPart):
             oldest=created - self.job_ttl_s,
             steps=one_set(fairness.step_table(priority)),
         )
-        depth, waiting, step = self.script(CREATE_UNLESS_FULL)(keys=keys, args=args)
-        return Admission(int(depth), int(waiting), None if step < 0 else int(step))
+        return ScriptCall(CREATE_UNLESS_FULL, keys, args)
 
     def client_waiting(self, client: str) -> int:
         """The jobs `client` has waiting, all priority classes."""

@@ -13,7 +13,7 @@ from pydantic import TypeAdapter, ValidationError
 from exo_tasks import lifecycle
 from exo_tasks.commands import RunnerCommand, SubmitJob
 from exo_tasks.fleet_types import RunnerState, StatusChange
-from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
+from exo_tasks.store.client import NAMED_ARGS, RedisPart, ScriptCall, named, one_set
 from exo_tasks.store.job_scripts import leave_waiting
 from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
@@ -130,6 +130,10 @@ class RunnerRecords(RedisPart):
         it in the runner's inbox, in one step: the runner starts it without a write of its own.
         False if the job is no longer queued, or if the runner or its host has no `room` left
         (None: no limit)."""
+        return bool(self.run(self.handing(runner_id, command, room)))
+
+    def handing(self, runner_id: str, command: SubmitJob, room: Room | None = None) -> ScriptCall:
+        """`hand_over`'s script call, to run with others (Store.create)."""
         job = command.job
         keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
         if room is not None:
@@ -146,7 +150,7 @@ class RunnerRecords(RedisPart):
             room=room.runner if room is not None else 0,
             host_room=room.host if room is not None else 0,
         )
-        return bool(self.script(HAND_OVER)(keys=keys, args=args))
+        return ScriptCall(HAND_OVER, keys, args)
 
     def send(self, runner_id: str, command: RunnerCommand) -> None:
         self.redis.rpush(runner_key(runner_id, "inbox"), command.model_dump_json())
