@@ -377,31 +377,32 @@ def test_a_failing_lane_fails_its_jobs_alone_and_starts_over(
         engine.close()
 
 
-def test_a_lone_job_gets_its_first_token_from_one_pass_and_keeps_its_text(
+def test_a_lone_one_token_job_gets_it_from_one_pass_sampled_as_in_a_batch(
     tiny_loaded: tuple[Any, Any], engine: BatchEngine
 ) -> None:
-    """A job alone in an idle engine: its first token from one forward pass over its prompt,
-    at the first step (not the generator's third), then the generator from that state: the
-    text of mlx-lm's own generation, greedy; seeded, the text it has in a batch."""
+    """A 1-token job alone in an idle engine: its token from one forward pass over its prompt,
+    at the first step (not the generator's third): greedy as mlx-lm's own generation, seeded as
+    in a batch. A longer job alone keeps the generator's steps (first_token's docstring)."""
     lone = Run(engine)
-    lone.add("greedy", "Once upon a time", max_tokens=20)
-    lone.until_done()
-    assert lone.first_step["greedy"] == 1
-    assert lone.text("greedy") == alone(tiny_loaded, "Once upon a time", 20)[0]
-    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 20}
-    lone.add("seeded", "Once upon a time", **seeded)
-    lone.until_done()
-    batch = Run(engine)
-    batch.add("other", "xyz", max_tokens=20)
-    batch.add("seeded", "Once upon a time", **seeded)
-    batch.until_done()
-    assert batch.first_step["seeded"] >= GENERATOR_FIRST_STEP  # from the generator
-    assert lone.text("seeded") == batch.text("seeded")
-    # A one-token job ends at its first step, and leaves the engine empty.
-    one = Run(engine)
-    one.add("one", "Hello", max_tokens=1)
-    assert [(d.job_id, d.finish_reason) for d in one.step()] == [("one", "length")]
+    lone.add("greedy", "Once upon a time", max_tokens=1)
+    assert [(d.job_id, d.finish_reason) for d in lone.step()] == [("greedy", "length")]
     assert engine.active_jobs == 0 and engine.lane_jobs == [0] * engine.lanes
+    assert lone.text("greedy") == alone(tiny_loaded, "Once upon a time", 1)[0]
+    for seed in (7, 8, 9):
+        seeded = {"temperature": 1.0, "seed": seed, "max_tokens": 1}
+        lone.add(f"seeded{seed}", "Once upon a time", **seeded)
+        lone.until_done()
+        batch = Run(engine)
+        batch.add("other", "xyz", max_tokens=20)
+        batch.add(f"seeded{seed}", "Once upon a time", **seeded)
+        batch.until_done()
+        assert batch.first_step[f"seeded{seed}"] >= GENERATOR_FIRST_STEP  # the generator's
+        assert lone.text(f"seeded{seed}") == batch.text(f"seeded{seed}")
+    longer = Run(engine)
+    longer.add("longer", "Once upon a time", max_tokens=20)
+    longer.until_done()
+    assert longer.first_step["longer"] == GENERATOR_FIRST_STEP
+    assert longer.text("longer") == alone(tiny_loaded, "Once upon a time", 20)[0]
 
 
 def test_a_lone_jobs_pass_starts_from_its_cached_prefix_and_a_long_rest_uses_the_generator(
@@ -413,17 +414,18 @@ def test_a_lone_jobs_pass_starts_from_its_cached_prefix_and_a_long_rest_uses_the
         story = "Once upon a time there was a queue of jobs, " * 3
         run.add("first", story, max_tokens=4)
         run.until_done()
-        run.add("again", story + "and then", max_tokens=12)
+        before = run.steps
+        run.add("again", story + "and then", max_tokens=1)
         run.until_done()
-        assert run.first_step["again"] == run.steps - 11  # its first token at its first step
+        assert run.first_step["again"] == before + 1  # its token at its first step
         assert (run.deltas["again"][0].cached_tokens or 0) > 0  # from the first job's prompt
-        assert run.text("again") == alone(tiny_loaded, story + "and then", 12)[0]
+        assert run.text("again") == alone(tiny_loaded, story + "and then", 1)[0]
         # More than a step's prefill left to compute: the generator's steps, as before.
         long_prompt = "".join(f"{i} little pigs; " for i in range(12))
         start = run.steps
-        run.add("long", long_prompt, max_tokens=4)
+        run.add("long", long_prompt, max_tokens=1)
         run.until_done()
         assert run.first_step["long"] - start > 1
-        assert run.text("long") == alone(tiny_loaded, long_prompt, 4)[0]
+        assert run.text("long") == alone(tiny_loaded, long_prompt, 1)[0]
     finally:
         engine.close()

@@ -217,10 +217,14 @@ class BatchEngine:
 
     def step(self) -> list[TokenDelta]:
         """Run one prefill/decode step of every lane; one delta per job that sampled a token
-        (a first token from the prefill process, or a lone job's, included)."""
+        (a first token from the prefill process, or a lone 1-token job's, included)."""
         first = self._rejoin(self._prefiller) if self._prefiller is not None else []
-        first += self._start_lone_job()
-        deltas = first + self.admit_waiting() + self.advance(self.prefill_sizes())
+        lone = self._start_lone_job()
+        if lone:  # the engine held that job alone, and it has ended
+            self._prefill_chunks = 0
+            deltas = first + lone
+        else:
+            deltas = first + self.admit_waiting() + self.advance(self.prefill_sizes())
         if self._prefiller is not None:
             self._prefill_chunks += self._prefiller.take_chunks()
         return deltas
@@ -240,7 +244,7 @@ class BatchEngine:
         return deltas
 
     def _start_lone_job(self) -> list[TokenDelta]:
-        """A job alone in an idle engine: its first token from one pass (first_token)."""
+        """A 1-token job alone in an idle engine: its token from one pass (first_token)."""
         lane = next((lane for lane in self._lanes if lane.waiting), None)
         if lane is None or sum(map(len, self._lanes)) != 1:
             return []

@@ -1,10 +1,13 @@
 """A job's first token computed outside its lane's generator, from the logits at its prompt's
-last token: the prefill process's (exo_tasks.runner.prefiller), or one forward pass of a job
-alone in an idle engine. mlx-lm's generator takes three steps to a prompt's first token (the
-prompt but its last token, the last token, the token out); one pass is what mlx-lm's own
-stream_generate computes: a lone 1-token job of the tiny model took 7.5 ms in the engine that
-way, 4.5 ms this way (5.0 ms in stream_generate). Either way the job then joins its lane from
-that state, as from a cached prefix, unless that token ended it."""
+last token: the prefill process's (exo_tasks.runner.prefiller), or one forward pass for a
+1-token job alone in an idle engine. mlx-lm's generator takes three steps to a prompt's first
+token (the prompt but its last token, the last token, the token out); one pass is what mlx-lm's
+own stream_generate computes: a lone 1-token job of the tiny model took 7.5 ms in the engine
+that way, 4.5 ms this way (5.0 ms in stream_generate). A job the prefill process computed then
+joins its lane from that state, as from a cached prefix, unless that token ended it. One pass
+is kept to jobs their first token ends (`max_tokens` 1): a longer job joining its lane from a
+one-pass state got its first token 25 ms sooner on the `bench` model but every later one 36 ms
+later (the generator's pipeline starts over from that state: a step with no token)."""
 
 from __future__ import annotations
 
@@ -38,12 +41,12 @@ def begin(job: LaneJob, logits: mx.array, cache: list[Any]) -> First:
 
 
 def start_alone(lane: Lane, cache: PromptCache) -> tuple[LaneJob, First | Exception] | None:
-    """The first token of the job waiting in `lane`, alone in the engine, from one forward pass
-    over what its prompt has left after its cached prefix, if that is at most a step's prefill
-    (else None, its lookup kept for its lane); the job and its first token, or what the pass
-    raised (the job's own failure, as at an insert)."""
+    """The first and only token of the job waiting in `lane`, alone in the engine, from one
+    forward pass over what its prompt has left after its cached prefix, if that is at most a
+    step's prefill (else None, its lookup kept for its lane); the job and its token, or what
+    the pass raised (the job's own failure, as at an insert)."""
     job = lane.waiting[0]
-    if job.lookup is not None or job.offloaded:
+    if job.insert["max_tokens"] != [1] or job.lookup is not None or job.offloaded:
         return None
     lookup = job.lookup = lane.call(cache.fetch, job.prompt)
     if len(lookup.rest) > lane.prefill_step_size:
