@@ -9,20 +9,22 @@
   the thread that writes each step's share of it.
 - `engine`, `lane`, `lane_threads`: continuous batching over mlx-lm's `BatchGenerator`;
   `prefill_pace`, `prefiller`: on the CPU, prefill beside decoding jobs (paced in time, or in a
-  process of its own).
+  process of its own); `first_token`: a job's first token outside its lane's generator (the
+  prefill process's, or one pass for a lone 1-token job).
 - `sampling`, `prompt_cache`, `toolcalls`, `keep_alive`: a job's own sampling, the prompt
   cache, its prompt through the chat template and tool calls out of its text, when an idle
   runner unloads.
 - `rank`, `ring`, `schedule`: a rank of an instance (its ring over `mx.distributed`, its
   shard, the loop of a rank other than 0) and rank 0's schedule, shared with the others.
 
-Only the runner process imports `engine`, `lane`, `sampling` and `schedule` (they load MLX);
-the worker's main process imports `main` and `process` to spawn it.
+Only the runner process imports `engine`, `first_token`, `lane`, `sampling` and `schedule`
+(they load MLX); the worker's main process imports `main` and `process` to spawn it.
 """
 
 __all__ = [
     "active_job",
     "engine",
+    "first_token",
     "in_flight",
     "intake",
     "keep_alive",
