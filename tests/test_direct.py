@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from exo_tasks import broker, direct, jobs
@@ -25,10 +26,11 @@ from exo_tasks.naming import host_queue, model_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.store.keys import runner_key
 from exo_tasks.store.runners import Room
-from exo_tasks.types import JobRequest, JobStatus
+from exo_tasks.types import JobRecord, JobRequest, JobStatus
 from tests.support.api import api_settings
 from tests.support.processes import Processes, RedisServer, wait_until
 from tests.support.stack import Stack, new_worker, wait_tokens
+from tests.support.workers import runner_state
 
 # Long enough to be running when its worker dies, however loaded the machine.
 MEDIUM = {"prompt": "medium", "max_tokens": 2000, "ignore_eos": True}
@@ -45,6 +47,11 @@ def task_meta(stack: Stack, job_id: str) -> dict[str, Any] | None:
 def task_succeeded(stack: Stack, job_id: str) -> dict[str, Any] | None:
     meta = task_meta(stack, job_id)
     return meta if meta is not None and meta["status"] == "SUCCESS" else None
+
+
+def requeued_once(stack: Stack, job_id: str) -> JobRecord | None:
+    job = stack.store.jobs.get(job_id)
+    return job if job is not None and job.attempts == 1 else None
 
 
 def waiting_in(stack: Stack, job_id: str, queue: str) -> bool:
@@ -85,9 +92,13 @@ def test_a_worker_killed_before_its_directly_handed_job_is_delivered_loses_nothi
 ) -> None:
     """The worst moment: the job streams on its runner, held by a worker that never took its
     message, and that worker is SIGKILLed (its runner goes with it). The recovery loop requeues
-    the job from the worker's heartbeat; the host's next worker runs it to its end."""
+    the job from the worker's heartbeat; the host's next worker runs it to its end. A job
+    submitted while the dead host's heartbeat still stands goes into its dead runner's inbox:
+    it is requeued as well, and runs once, in its second attempt (the next runner of that name
+    drops the inbox it inherits, which would have run the first attempt beside it)."""
     host = "dh-killed"
     worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    runner = runner_state(stack.store, host)
     os.kill(worker.pid, signal.SIGSTOP)
     job_id = stack.api.submit(**MEDIUM, host=host)
     wait_tokens(stack, job_id)
@@ -95,17 +106,23 @@ def test_a_worker_killed_before_its_directly_handed_job_is_delivered_loses_nothi
     assert running is not None and running.direct and running.owner is not None
     assert host in running.owner and task_meta(stack, job_id) is None
     worker.process.send_signal(signal.SIGKILL)
-    requeued = wait_until(
-        lambda: (j := stack.store.jobs.get(job_id)) and j.attempts == 1 and j,
-        REQUEUE_BOUND_S,
-        "the job requeued",
-    )
-    assert requeued.status in (JobStatus.QUEUED, JobStatus.RUNNING) and not requeued.direct
+    assert runner.pid is not None
+    wait_until(lambda: not psutil.pid_exists(runner.pid), 10, "its runner gone with it")
+    late = stack.api.submit(prompt="late", max_tokens=4, ignore_eos=True, host=host)
+    # No one reads it (the recovery loop's questions to the runner may wait there too).
+    inbox = stack.store.redis.lrange(runner_key(runner.id, "inbox"), 0, -1)
+    assert late in [json.loads(raw).get("job", {}).get("id") for raw in inbox]
+    for requeued_id in (job_id, late):
+        requeued = wait_until(
+            functools.partial(requeued_once, stack, requeued_id), REQUEUE_BOUND_S, "its requeue"
+        )
+        assert requeued.status in (JobStatus.QUEUED, JobStatus.RUNNING) and not requeued.direct
     (tmp_path / "again").mkdir()
     new_worker(stack, processes, tiny_model, tmp_path / "again", host)
-    job = stack.api.wait_job(job_id, timeout_s=120)
-    assert job["status"] == "succeeded" and job["attempts"] == 1, job
-    assert job["usage"]["completion_tokens"] == MEDIUM["max_tokens"]
+    for job_id_, tokens in ((job_id, MEDIUM["max_tokens"]), (late, 4)):
+        job = stack.api.wait_job(job_id_, timeout_s=120)
+        assert job["status"] == "succeeded" and job["attempts"] == 1, job
+        assert job["usage"]["completion_tokens"] == tokens
 
 
 @pytest.fixture

@@ -10,9 +10,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from exo_tasks import jobs
 from exo_tasks.modelgen import create_model
-from exo_tasks.naming import host_queue
+from exo_tasks.naming import host_queue, runner_id_for
 from exo_tasks.prefix_routing import last_host, prompt_digests
 from exo_tasks.recovery import HEARTBEAT_TTL_S
 from exo_tasks.store import job_key
@@ -338,8 +340,13 @@ def test_a_turn_sent_to_a_host_killed_meanwhile_runs_on_another_within_the_heart
 ) -> None:
     worker = alpha_worker(stack, fleet, processes, tmp_path, "fleet-w")
     _, messages = first_turn(stack.api, 20, "fleet-w")
+    runner = stack.store.runners.get(runner_id_for("alpha", "fleet-w"))
     worker.process.kill()
     worker.process.wait(timeout=10)
+    # Its runner outlives it until it notices (its lifeline): meanwhile a job handed to it
+    # as it is submitted (exo_tasks.direct) would run there. Gone, it runs nothing.
+    assert runner is not None and runner.pid is not None
+    wait_until(lambda: not psutil.pid_exists(runner.pid), 10, "fleet-w's runner gone")
     started = time.monotonic()
     job_id = stack.api.submit(messages=messages, max_tokens=8, model="alpha")
     # Its heartbeat has not expired yet: the job's prefix sent it to the dead host's queue.

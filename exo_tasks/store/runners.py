@@ -173,6 +173,10 @@ class RunnerRecords(RedisPart):
         except ValidationError as exc:
             return UnreadableCommand.of(reply[1], exc)
 
+    def drop_inbox(self, runner_id: str) -> None:
+        """Drop what a runner's inbox holds: commands to a life of it that has ended."""
+        self.redis.delete(runner_key(runner_id, "inbox"))
+
     def release_job(self, runner_id: str, job_id: str) -> None:
         self.redis.srem(runner_key(runner_id, "jobs"), job_id)
 

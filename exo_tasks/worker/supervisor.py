@@ -97,6 +97,10 @@ class RunnerSupervisor:
 
     def _spawn(self, handle: RunnerHandle) -> None:
         spec = handle.spec.model_copy(update={"restarts": handle.restarts})
+        # A new life: what its inbox holds was sent to the last one. A runner whose exit its
+        # supervisor saw had it dropped then; one whose worker was SIGKILLed, not (a job handed
+        # to it meanwhile, exo_tasks.direct, is requeued from that worker's heartbeat instead).
+        self.store.runners.drop_inbox(spec.runner_id)
         self.store.runners.publish(
             lifecycle.spawned_runner(
                 spec.runner_id, spec.host, spec.model, restarts=handle.restarts

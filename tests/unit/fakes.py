@@ -217,6 +217,10 @@ class FakeRunners:
         self.inboxes[runner_id].append(command)
         self.on_send(runner_id, command)
 
+    def drop_inbox(self, runner_id: str) -> None:
+        self.link.reach()
+        self.inboxes.pop(runner_id, None)
+
     def fail_jobs(self, runner_id: str, error: str) -> list[str]:
         self.link.reach()
         self.failed_jobs.append((runner_id, error))
