@@ -28,10 +28,12 @@ from tests.support.stack import Stack, idle, wait_tokens
 from tests.support.workers import Worker, new_worker, runner_state
 
 HOST = "lost-end"
-LOST = {"prompt": "lost", "max_tokens": 300, "ignore_eos": True, "host": HOST}
+# Long enough to be read running between two polls of a loaded machine (300 tokens were not,
+# once on CI: a job handed over as it is submitted starts at once).
+LOST = {"prompt": "lost", "max_tokens": 600, "ignore_eos": True, "host": HOST}
 BYSTANDER = {"prompt": "bystander", "max_tokens": 4000, "ignore_eos": True, "host": HOST}
 # From the lost write to the job's second ending: a sweep (2 s) to ask its runner, the
-# requeue, the message back (or sent again at the next sweep), and the 300 tokens again.
+# requeue, the message back (or sent again at the next sweep), and the 600 tokens again.
 ENDED_AGAIN_S = 10.0
 
 
