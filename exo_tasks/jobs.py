@@ -33,7 +33,6 @@ from exo_tasks.naming import (
     model_slug,
 )
 from exo_tasks.store import Store
-from exo_tasks.store.jobs import Admission
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 
 log = logging.getLogger("exo_tasks.jobs")
@@ -178,17 +177,14 @@ def submit(
     )
     quota = settings.max_queued_jobs_per_client
     creation = store.jobs.creation(job, where.queue, settings.max_queued_jobs, client.key, quota)
-    if where.direct is None:
-        admitted, handed = Admission.of(store.jobs.run(creation)), False
-    else:
-        handing = direct.hand_over(store, settings, job, where.direct)
-        admitted, handed = store.create(creation, handing)
+    handing = direct.hand_over(store, settings, job, where.direct) if where.direct else None
+    admitted, handed = store.create(creation, handing)
     # Counted as the job was created: these hold.
     refuse_if_full(where.queue, admitted.depth, settings)
     refuse_over_quota(client, admitted.client_waiting, settings)
     assert admitted.step is not None, "a job refused by neither count was created"
     queue = where.queue
-    if where.direct is not None and not handed:
+    if handing is not None and not handed:
         # Its runner filled up since the fleet was read: the job waits in Celery's queue.
         queue = queue_of(job)
         store.jobs.set_queue(job.id, queue)

@@ -24,7 +24,7 @@ from exo_tasks.commands import SubmitJob
 from exo_tasks.fairness import client_of
 from exo_tasks.naming import host_queue, model_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S
-from exo_tasks.store.keys import runner_key
+from exo_tasks.store.keys import job_key, runner_key
 from exo_tasks.store.runners import Room
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 from tests.support.api import api_settings
@@ -155,7 +155,7 @@ def test_a_runner_that_filled_up_meanwhile_leaves_the_job_to_celerys_queue(
         record = stack.store.jobs.get(job.id)
         assert record is not None and record.status == JobStatus.QUEUED and not record.direct
         assert waiting_in(stack, job.id, model_queue("ghost"))
-        assert stack.store.redis.hget(f"exo:job:{job.id}", "queue") == model_queue("ghost")
+        assert stack.store.redis.hget(job_key(job.id), "queue") == model_queue("ghost")
         assert stack.store.redis.llen(inbox) == 0
         # Room on the runner, none on its host (its other runner holds the rest of the pool).
         stack.store.redis.srem(held, "held-0")

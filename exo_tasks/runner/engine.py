@@ -32,17 +32,13 @@ from exo_tasks.runner.lane import (
     TokenDelta,
     default_prefill_token_budget,
 )
-from exo_tasks.runner.lane_threads import LaneThread, default_lanes, run_here
+from exo_tasks.runner.lane_threads import LaneThread, default_lanes, lane_for_new_job, run_here
 from exo_tasks.runner.prefiller import Prefiller
 from exo_tasks.runner.prompt_cache import PromptCache
 from exo_tasks.types import ChatMessage, SamplingParams
 from exo_tasks.wire import Tool
 
 log = logging.getLogger("exo_tasks.engine")
-# Small batches side by side are slower than one batch on the CPU (bench model, 2 cores: two
-# lanes of 1 job make 17% fewer tokens/s than one lane of 2; two of 4, 7% more than one of 8;
-# two of 16, 61% more than one of 32), so a lane is opened only once the busy ones hold this.
-LANE_MIN_JOBS = 4
 
 
 def weights_bytes(model: Any) -> int:
@@ -190,16 +186,9 @@ class BatchEngine:
             top,
             toolcalls.splitter(self._tokenizer, params),
         )
-        lane = self._lane_for_new_job()
+        lane = lane_for_new_job(self._lanes)
         lane.waiting.append(job)  # it joins the generator (and finds its prefix) in a step
         self._where[job_id] = lane
-
-    def _lane_for_new_job(self) -> Lane:
-        """The lane with the fewest jobs, of the busy ones until each holds LANE_MIN_JOBS."""
-        busy = [lane for lane in self._lanes if len(lane)]
-        if not busy or min(len(lane) for lane in busy) >= LANE_MIN_JOBS:
-            busy = self._lanes
-        return min(busy, key=len)
 
     def remove(self, job_id: str) -> None:
         """Cancel a job in any phase; unknown or finished jobs are ignored (cancel races)."""
@@ -219,12 +208,9 @@ class BatchEngine:
         """Run one prefill/decode step of every lane; one delta per job that sampled a token
         (a first token from the prefill process, or a lone 1-token job's, included)."""
         first = self._rejoin(self._prefiller) if self._prefiller is not None else []
-        lone = self._start_lone_job()
-        if lone:  # the engine held that job alone, and it has ended
-            self._prefill_chunks = 0
-            deltas = first + lone
-        else:
-            deltas = first + self.admit_waiting() + self.advance(self.prefill_sizes())
+        lone = self._start_lone_job()  # the engine's only job, ended: no lane has a step to take
+        self._prefill_chunks = 0
+        deltas = first + (lone or self.admit_waiting() + self.advance(self.prefill_sizes()))
         if self._prefiller is not None:
             self._prefill_chunks += self._prefiller.take_chunks()
         return deltas
@@ -245,31 +231,24 @@ class BatchEngine:
 
     def _start_lone_job(self) -> list[TokenDelta]:
         """A 1-token job alone in an idle engine: its token from one pass (first_token)."""
-        lane = next((lane for lane in self._lanes if lane.waiting), None)
-        if lane is None or sum(map(len, self._lanes)) != 1:
-            return []
-        started = first_token.start_alone(lane, self.prompt_cache)
+        started = first_token.start_alone(self._lanes, self.prompt_cache)
         if started is None:
             return []
-        job, first = started
+        lane, job, first = started
         if isinstance(first, Exception):
-            del self._where[job.job_id]
-            return [TokenDelta(job.job_id, "", 0, None, f"could not start: {first!r}")]
+            return [self._not_started(job, first)]
         return [self._begun(lane, job, first)]
 
     def _begun(self, lane: Lane, job: LaneJob, first: first_token.First) -> TokenDelta:
         """A job's first token, computed outside its lane's generator: the job back to its
         lane, first in line, unless that token ended it (its prompt's state then cached)."""
-        token, logprobs, finish, cache = first
-        delta = job.take(token, logprobs, finish, self._eos_ids, self._decode)
-        if job.sampler_error:
-            delta = TokenDelta(job.job_id, "", 0, None, job.sampler_error)
+        delta = first_token.delta(job, first, self._eos_ids, self._decode)
         if delta.finish_reason is None and delta.error is None:
             lane.waiting.appendleft(job)
             return delta
         del self._where[job.job_id]
         if delta.error is None:
-            self.prompt_cache.store(job.prompt, cache)
+            self.prompt_cache.store(job.prompt, first[3])
         return delta
 
     def admit_waiting(self) -> list[TokenDelta]:
@@ -331,12 +310,14 @@ class BatchEngine:
     def _admit(self, lane: Lane, computing: list[LaneJob]) -> list[TokenDelta]:
         """Let a lane's waiting jobs into its generator; a failure delta for any that could
         not join (its own input, such as its cached state, made the insert raise)."""
-        failed = lane.admit(self.prompt_cache, computing)
-        for job, _ in failed:
-            self._where.pop(job.job_id, None)
         return [
-            TokenDelta(job.job_id, "", 0, None, f"could not start: {exc!r}") for job, exc in failed
+            self._not_started(job, exc) for job, exc in lane.admit(self.prompt_cache, computing)
         ]
+
+    def _not_started(self, job: LaneJob, exc: Exception) -> TokenDelta:
+        """A job whose own input made its start raise: out of the engine, and its failure."""
+        self._where.pop(job.job_id, None)
+        return TokenDelta(job.job_id, "", 0, None, f"could not start: {exc!r}")
 
     def _lane_deltas(self, lane: Lane, responses: list[Any]) -> list[TokenDelta]:
         """One lane's step as deltas; a job whose token could not be decoded, or whose own

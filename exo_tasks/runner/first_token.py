@@ -11,12 +11,13 @@ later (the generator's pipeline starts over from that state: a step with no toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
 from exo_tasks.runner import sampling
-from exo_tasks.runner.lane import EngineFinish, Lane, LaneJob
+from exo_tasks.runner.lane import EngineFinish, Lane, LaneJob, TokenDelta
 from exo_tasks.runner.prompt_cache import Lookup, PromptCache
 
 # A job's first token, its log-probabilities, its end if it ended it, the prompt's KV state.
@@ -40,11 +41,26 @@ def begin(job: LaneJob, logits: mx.array, cache: list[Any]) -> First:
     return token, logprobs, finish, cache
 
 
-def start_alone(lane: Lane, cache: PromptCache) -> tuple[LaneJob, First | Exception] | None:
-    """The first and only token of the job waiting in `lane`, alone in the engine, from one
-    forward pass over what its prompt has left after its cached prefix, if that is at most a
-    step's prefill (else None, its lookup kept for its lane); the job and its token, or what
-    the pass raised (the job's own failure, as at an insert)."""
+def delta(
+    job: LaneJob, first: First, eos_ids: frozenset[int], decode: Callable[[int], str]
+) -> TokenDelta:
+    """What the first token means for the job (LaneJob.take), or its own sampler's failure."""
+    token, logprobs, finish, _ = first
+    taken = job.take(token, logprobs, finish, eos_ids, decode)
+    error = job.sampler_error
+    return taken if error is None else TokenDelta(job.job_id, "", 0, None, error)
+
+
+def start_alone(
+    lanes: list[Lane], cache: PromptCache
+) -> tuple[Lane, LaneJob, First | Exception] | None:
+    """If a job waiting in one of `lanes` is alone in them, wants one token, and has at most a
+    step's prefill left after its cached prefix (else None, its lookup kept for its lane): its
+    token from one forward pass over that rest, with its lane and itself, or what the pass
+    raised (the job's own failure, as at an insert)."""
+    lane = next((lane for lane in lanes if lane.waiting), None)
+    if lane is None or sum(map(len, lanes)) != 1:
+        return None
     job = lane.waiting[0]
     if job.insert["max_tokens"] != [1] or job.lookup is not None or job.offloaded:
         return None
@@ -54,9 +70,9 @@ def start_alone(lane: Lane, cache: PromptCache) -> tuple[LaneJob, First | Except
     lane.waiting.popleft()
     job.lookup, job.cached_tokens = None, lookup.cached_tokens
     try:
-        return job, lane.call(_one_pass, lane.model, job, lookup)
+        return lane, job, lane.call(_one_pass, lane.model, job, lookup)
     except Exception as exc:  # noqa: BLE001 (the job's own failure)
-        return job, exc
+        return lane, job, exc
 
 
 def _one_pass(model: Any, job: LaneJob, lookup: Lookup) -> First:

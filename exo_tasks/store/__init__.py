@@ -80,9 +80,12 @@ class Store:
     def ping(self) -> bool:
         return bool(self.redis.ping())
 
-    def create(self, creation: ScriptCall, hand_over: ScriptCall) -> tuple[Admission, bool]:
-        """A job's creation (JobRecords.creation), then its hand-over to a runner
-        (RunnerRecords.handing: none if the creation was refused), in one round trip."""
+    def create(self, creation: ScriptCall, hand_over: ScriptCall | None) -> tuple[Admission, bool]:
+        """A job's creation (JobRecords.creation), then its hand-over to a runner, if any
+        (RunnerRecords.handing: none if the creation was refused), in one round trip; whether
+        it was handed over."""
+        if hand_over is None:
+            return Admission.of(self.jobs.run(creation)), False
         pipe = self.redis.pipeline(transaction=False)
         creation.queue_on(pipe)
         hand_over.queue_on(pipe)
