@@ -141,9 +141,7 @@ def test_ctrl_c_requeues_jobs_in_flight_a_restart_runs_them_and_down_stops_it(
     assert_requeued(local_stack, ids)
 
     local_stack.up()
-    wait_until(
-        lambda: all(local_stack.job(j)["status"] == "succeeded" for j in ids), 60, "every job"
-    )
+    wait_until(lambda: local_stack.all_succeeded(ids), 60, "every job")
     for job_id in ids:
         assert local_stack.job(job_id)["usage"]["completion_tokens"] == LONG_JOB["max_tokens"]
 

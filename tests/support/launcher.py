@@ -110,6 +110,15 @@ class LocalStack:
         job: dict[str, Any] = requests.get(f"{self.api}/v1/jobs/{job_id}", timeout=5).json()
         return job
 
+    def all_succeeded(self, ids: list[str]) -> bool:
+        """For a wait: whether every job succeeded. A read that times out counts as not yet:
+        a stack just started, on a loaded machine, can take over 5 s to answer its first
+        requests while its runner loads the model and starts the requeued jobs."""
+        try:
+            return all(self.job(j)["status"] == "succeeded" for j in ids)
+        except requests.Timeout:
+            return False
+
     def tree(self) -> list[psutil.Process]:
         """The launcher and every process under it, taken before a stop."""
         assert self.process is not None
