@@ -6,12 +6,14 @@ breaks it with real signals.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -396,6 +398,59 @@ def test_cold_worker_shutdown_requeues_in_flight_jobs_never_succeeding_them(
     new_worker(stack, processes, tiny_model, tmp_path, host)
     job = stack.api.wait_job(job_id, timeout_s=60)
     assert job["status"] == "succeeded" and job["attempts"] >= 1
+    assert job["usage"]["completion_tokens"] == IN_FLIGHT["max_tokens"]
+    assert [e.event for _, e in stack.store.streams.read_events(job_id)].count("done") == 1
+
+
+@contextlib.contextmanager
+def pool_children_held(worker_pid: int) -> Iterator[None]:
+    """The worker's pool children SIGSTOPped for the block: a task it receives meanwhile waits
+    in a child's pipe, taken only once they go on, as on a loaded machine."""
+    children = [
+        p for p in psutil.Process(worker_pid).children() if "spawn" not in " ".join(p.cmdline())
+    ]
+    for child in children:
+        child.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("how", ["warm", "second-ctrl-c"])
+def test_a_stop_stays_bounded_for_a_task_taken_after_it_began(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, how: str
+) -> None:
+    """A direct job's runner starts it before its task is delivered: its task can reach a pool
+    child after the warm stop began, where Celery's cold stop does not cancel it and no one
+    reads its result. The cold stop still requeues the job at once and ends within its bound;
+    the warm one ends soon after the job does (billiard's child waited 30 s for its result to
+    be read)."""
+    host = f"sd-late-{how}"
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    with pool_children_held(worker.pid):
+        job_id = stack.api.submit(**IN_FLIGHT, host=host)
+        wait_tokens(stack, job_id)
+        wait_until(lambda: job_id in worker.log_text(), 5, "the task's delivery")
+        worker.process.send_signal(signal.SIGINT)
+        wait_until(lambda: "Warm shutdown" in worker.log_text(), 5, "the warm shutdown")
+        started = time.monotonic()
+        if how == "second-ctrl-c":
+            worker.process.send_signal(signal.SIGINT)
+    if how == "warm":
+        job = stack.api.wait_job(job_id, timeout_s=30)
+        assert job["status"] == "succeeded"
+        started = time.monotonic()
+    worker.process.wait(timeout=15)
+    assert time.monotonic() - started < 5, worker.log_text()[-3000:]
+    if how == "warm":
+        return
+    assert stack.api.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+    new_worker(stack, processes, tiny_model, tmp_path, host)
+    job = stack.api.wait_job(job_id, timeout_s=60)
+    assert job["status"] == "succeeded"
     assert job["usage"]["completion_tokens"] == IN_FLIGHT["max_tokens"]
     assert [e.event for _, e in stack.store.streams.read_events(job_id)].count("done") == 1
 

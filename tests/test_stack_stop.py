@@ -111,7 +111,11 @@ def stopped_store(stack: LocalStack) -> Iterator[Store]:
 def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
     """Every job is queued again, once, with its message back in the queue it was sent to:
     the model's, or for a job handed to its runner as it was submitted (exo_tasks.direct), its
-    host's own, which the host's next worker consumes first."""
+    host's own, which the host's next worker consumes first. A job its task sent to its model's
+    queue as the worker stopped may have its first message back in its host's queue as well:
+    the task's acknowledgement of it and kombu's restore of unacknowledged messages at the
+    connection's close race in Celery's stop. Whichever copy comes second finds the job taken
+    (the restart below runs each job once)."""
     with stopped_store(stack) as store:
         for job_id in ids:
             job = store.jobs.get(job_id)
@@ -123,7 +127,7 @@ def assert_requeued(stack: LocalStack, ids: list[str]) -> None:
             *(store.redis.hget(job_key(j), "queue") for j in ids),
         }
         assert queues <= {model_queue(DEFAULT_PRESET), host_queue(HOST)}, queues
-        assert sum(store.jobs.queue_depth(queue) for queue in queues) == len(ids)
+        assert len(ids) <= sum(store.jobs.queue_depth(queue) for queue in queues) <= 2 * len(ids)
         assert store.redis.hlen("unacked") == 0
 
 
@@ -144,6 +148,8 @@ def test_ctrl_c_requeues_jobs_in_flight_a_restart_runs_them_and_down_stops_it(
     wait_until(lambda: local_stack.all_succeeded(ids), 60, "every job")
     for job_id in ids:
         assert local_stack.job(job_id)["usage"]["completion_tokens"] == LONG_JOB["max_tokens"]
+        events = [event.event for _, event in local_stack.store().streams.read_events(job_id)]
+        assert events.count("done") == 1, events
 
     tree = local_stack.tree()
     down = subprocess.run(

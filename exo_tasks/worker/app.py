@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import redis
 from celery import bootsteps, current_app
-from celery.signals import worker_process_init, worker_process_shutdown, worker_shutting_down
+from celery.signals import worker_process_init, worker_process_shutdown
 from celery.worker import components, state
 from celery.worker.control import control_command
 
@@ -32,7 +32,7 @@ from exo_tasks.logs import configure_logging
 from exo_tasks.naming import host_queue, model_queue, model_slug, node_name, runner_id_for
 from exo_tasks.store import Store
 from exo_tasks.types import utcnow
-from exo_tasks.worker import revocation
+from exo_tasks.worker import revocation, stop_begins
 from exo_tasks.worker.ranks import RankKeeper
 from exo_tasks.worker.supervisor import RunnerSupervisor
 
@@ -120,16 +120,10 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
                 log.warning("shutdown not announced", extra={"error": str(exc)})
             self.keeper.leave(cold)  # its instances stop too
 
-        def on_shutting_down(how: str = "Warm", **_: Any) -> None:
-            self.stopping.set()
-            # Warm: in-flight jobs get the window. Cold (also a second Ctrl-C during a warm
-            # shutdown): the runners requeue their jobs now.
-            supervisor.drain(settings.worker_soft_shutdown_s if how == "Warm" else 0.0)
-            # Redis writes: not in this signal handler's thread.
-            threading.Thread(target=leave, args=(how != "Warm",), daemon=True).start()
-
-        # Runs inside Celery's signal handler: drain() only records a deadline.
-        worker_shutting_down.connect(on_shutting_down, weak=False)
+        stop = stop_begins.StopBegins(
+            self.stopping, supervisor.drain, settings.worker_soft_shutdown_s, leave
+        )
+        stop.connect()
         return supervisor
 
     def info(self, worker: Any) -> dict[str, str]:  # type: ignore[override]
@@ -212,6 +206,7 @@ def _pool_child_init(**_: Any) -> None:
     # Own process group: a signal to the worker's group (honcho, Ctrl-C) must not kill in-flight
     # tasks; the worker's main process decides how they stop.
     os.setpgid(0, 0)
+    stop_begins.bound_result_wait()
     # Celery made the worker's app current before the fork.
     cast(ExoCelery, current_app).renew_store()
 
