@@ -49,15 +49,15 @@ class StopBegins:
         worker_shutting_down.connect(self, weak=False)
         worker_ready.connect(lambda **_: run_first(signal.SIGQUIT, self.cold), weak=False)
 
-    def __call__(self, how: str = "Warm", **_: Any) -> None:
+    def __call__(self, how: str = "Warm", sig: str = "", **_: Any) -> None:
+        if how == "Warm" and sig == "SIGINT":  # Celery has just made the next Ctrl-C cold
+            run_first(signal.SIGINT, self.cold)
         if how in self._begun:
             return
         self._begun.add(how)
         self.stopping.set()
         self.drain(self.window_s if how == "Warm" else 0.0)  # only records a deadline
         threading.Thread(target=self.leave, args=(how != "Warm",), daemon=True).start()
-        if how == "Warm":  # Celery has just made the next Ctrl-C a cold stop
-            run_first(signal.SIGINT, self.cold)
 
     def cold(self) -> None:
         self("Cold")
