@@ -60,7 +60,7 @@ def pick(fleet: Fleet, settings: Settings, model: str, host: str | None) -> Dire
     return DirectRunner(runner.id, state.name, state.incarnation, room)
 
 
-def hand_over(store: Store, settings: Settings, job: JobRecord, runner: DirectRunner) -> ScriptCall:
+def handing(store: Store, settings: Settings, job: JobRecord, runner: DirectRunner) -> ScriptCall:
     """The hand-over of the job just created to `runner`, running and held by its host's
     worker, with its deadlines from now: a script call to run with the job's creation
     (Store.create), which hands nothing over if the runner or its host has no room left."""

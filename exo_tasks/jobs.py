@@ -177,7 +177,7 @@ def submit(
     )
     quota = settings.max_queued_jobs_per_client
     creation = store.jobs.creation(job, where.queue, settings.max_queued_jobs, client.key, quota)
-    handing = direct.hand_over(store, settings, job, where.direct) if where.direct else None
+    handing = direct.handing(store, settings, job, where.direct) if where.direct else None
     admitted, handed = store.create(creation, handing)
     # Counted as the job was created: these hold.
     refuse_if_full(where.queue, admitted.depth, settings)

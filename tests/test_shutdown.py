@@ -28,7 +28,7 @@ from exo_tasks.types import JobRecord, JobRequest, JobStatus, utcnow
 from tests.support.api import api_settings, serving
 from tests.support.processes import Processes, has_exited, wait_until
 from tests.support.stack import LONG, Stack, new_worker, wait_tokens
-from tests.support.workers import runner_state, wait_runner
+from tests.support.workers import Worker, pool_children, runner_state, wait_runner
 
 # A job still decoding when its worker stops (within the stop's own bound of 5 s, 2.5 s at the
 # runner's fastest on an idle 2-core machine, ~500 tokens/s), then rerun in full after the
@@ -403,12 +403,10 @@ def test_cold_worker_shutdown_requeues_in_flight_jobs_never_succeeding_them(
 
 
 @contextlib.contextmanager
-def pool_children_held(worker_pid: int) -> Iterator[None]:
+def pool_children_held(worker: Worker) -> Iterator[None]:
     """The worker's pool children SIGSTOPped for the block: a task it receives meanwhile waits
     in a child's pipe, taken only once they go on, as on a loaded machine."""
-    children = [
-        p for p in psutil.Process(worker_pid).children() if "spawn" not in " ".join(p.cmdline())
-    ]
+    children = pool_children(worker)
     for child in children:
         child.send_signal(signal.SIGSTOP)
     try:
@@ -430,18 +428,17 @@ def test_a_stop_stays_bounded_for_a_task_taken_after_it_began(
     be read)."""
     host = f"sd-late-{how}"
     worker = new_worker(stack, processes, tiny_model, tmp_path, host)
-    with pool_children_held(worker.pid):
+    with pool_children_held(worker):
         job_id = stack.api.submit(**IN_FLIGHT, host=host)
         wait_tokens(stack, job_id)
         wait_until(lambda: job_id in worker.log_text(), 5, "the task's delivery")
         worker.process.send_signal(signal.SIGINT)
         wait_until(lambda: "Warm shutdown" in worker.log_text(), 5, "the warm shutdown")
-        started = time.monotonic()
         if how == "second-ctrl-c":
+            started = time.monotonic()  # the cold stop's bound runs from its signal
             worker.process.send_signal(signal.SIGINT)
-    if how == "warm":
-        job = stack.api.wait_job(job_id, timeout_s=30)
-        assert job["status"] == "succeeded"
+    if how == "warm":  # the bound runs from the job's end
+        assert stack.api.wait_job(job_id, timeout_s=30)["status"] == "succeeded"
         started = time.monotonic()
     worker.process.wait(timeout=15)
     assert time.monotonic() - started < 5, worker.log_text()[-3000:]
