@@ -27,7 +27,8 @@ from tests.support.instances import (
     submit,
     wait_gone,
 )
-from tests.support.processes import has_exited, wait_until
+from tests.support.processes import RedisServer, has_exited, wait_until
+from tests.support.workers import Worker
 
 DEFAULTS = Settings(_env_file=None)
 # The bound for the ranks left behind: the decode stall limit + the kill escalation (a hung
@@ -117,6 +118,16 @@ def thaw(pair: Pair, frozen: list[int], before: InstanceRecord) -> None:
     pair.wait_ready(before.generation)
 
 
+def assert_stacks_logged(worker: Worker) -> None:
+    """The hung rank's threads' stacks are in its worker's log, after the stall's line, down
+    to the runner's own code."""
+    log_text = worker.log_text()
+    hung = log_text.rfind("runner is hung")
+    assert hung >= 0, log_text[-3000:]
+    dump = log_text[hung:]
+    assert "(most recent call first)" in dump and "exo_tasks/runner/" in dump, dump[-3000:]
+
+
 @pytest.mark.parametrize("busy", [True, False], ids=["mid-job", "idle"])
 def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
     pair: Pair, busy: bool
@@ -136,6 +147,7 @@ def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
         record = pair.wait_status(InstanceStatus.FAILED, HEARTBEAT_TTL_S)
         assert record.error == "rank 1 on host b: its host's heartbeat is gone", record.error
         if job_id is not None:
+            assert_stacks_logged(pair.workers["a"])
             job = wait_until(
                 lambda: (j := pair.store.jobs.get(job_id)) and j.is_terminal and j, 10, "job"
             )
@@ -144,6 +156,45 @@ def test_a_host_gone_silent_takes_the_instance_down_within_its_bound(
         assert took < bound
     finally:
         thaw(pair, frozen, before)
+
+
+# Redis paused longer than the decode stall limit, within its heartbeats' TTL.
+REDIS_PAUSE_S = DEFAULTS.decode_timeout_s + 2.0
+
+
+def test_a_paused_redis_as_jobs_end_is_no_hang_of_a_runner_or_an_instance(
+    pair: Pair, redis_server: RedisServer
+) -> None:
+    """Redis paused (a stalled disk under `appendfsync always`, a frozen VM) while a short job
+    ends beside a long one, on the instance and on a whole runner: the runner waits for Redis
+    to publish its jobs' change. That wait used to count as silence: past the decode stall
+    limit the whole runner was stopped as hung, its long job failed; rank 0 sent no plan, and
+    rank 1, waiting for it, was stopped as hung with the instance. Now every job succeeds in
+    its first attempt, the instance keeps its generation and no runner fails."""
+    before = pair.wait_ready()
+    ids: dict[str, list[str]] = {}
+    for model in (before.model, "whole"):
+        ids[model] = [
+            pair.api.submit(model=model, prompt=f"long {model}", max_tokens=400, ignore_eos=True),
+            pair.api.submit(model=model, prompt=f"short {model}", max_tokens=30, ignore_eos=True),
+        ]
+    every = [job_id for pair_ids in ids.values() for job_id in pair_ids]
+    wait_until(
+        lambda: all(pair.store.streams.streamed_text(j)[1] >= 3 for j in every), 30, "tokens"
+    )
+    redis_server.process.send_signal(signal.SIGSTOP)  # the short jobs end meanwhile
+    try:
+        time.sleep(REDIS_PAUSE_S)
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+    jobs = {job_id: pair.api.wait_job(job_id) for job_id in every}
+    assert {(j["status"], j["attempts"]) for j in jobs.values()} == {("succeeded", 0)}, jobs
+    assert [jobs[j]["usage"]["completion_tokens"] for j in every] == [400, 30, 400, 30]
+    after = pair.instance()
+    assert after.status == "Ready" and after.generation == before.generation, pair.explain(after)
+    whole_runner = jobs[ids["whole"][0]]["runner_id"]
+    statuses = [change.status for change in pair.store.runners.history(whole_runner)]
+    assert "Failed" not in statuses, statuses
 
 
 def test_sigterm_ends_rank_0_blocked_in_a_collective_well_before_sigkill(pair: Pair) -> None:

@@ -97,7 +97,7 @@ def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: 
 
     def decoding(job_id: str) -> bool:
         record = pair.instance()
-        assert record.status == "Ready", record.error
+        assert record.status == "Ready", pair.explain(record)
         return pair.store.streams.streamed_text(job_id)[1] >= 3
 
     ids: list[str] = []
@@ -108,7 +108,7 @@ def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: 
     whole = run_batch(pair, "whole", requests)
     assert [outcome(j) for j in jobs] == [outcome(j) for j in whole]
     after = pair.instance()
-    assert after.status == "Ready" and after.generation == before.generation, after.error
+    assert after.status == "Ready" and after.generation == before.generation, pair.explain(after)
 
 
 def test_a_conversation_s_next_turn_hits_the_prompt_cache_on_an_instance(pair: Pair) -> None:
@@ -129,7 +129,7 @@ def test_a_conversation_s_next_turn_hits_the_prompt_cache_on_an_instance(pair: P
         assert cached >= first["usage"]["prompt_tokens"] - 1, (model, cached, first["usage"])
     assert outcome(nexts[0]) == outcome(nexts[1]) and nexts[0]["status"] == "succeeded"
     after = pair.instance()
-    assert after.status == "Ready" and after.generation == before.generation, after.error
+    assert after.status == "Ready" and after.generation == before.generation, pair.explain(after)
 
 
 def test_cancel_of_one_job_leaves_the_others_texts_unchanged(pair: Pair) -> None:

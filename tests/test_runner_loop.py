@@ -84,7 +84,7 @@ def runner() -> Runner:
         prefill_batch_size=3,
     )
     store = cast(Store, RunnerWrites())
-    unit = Runner(spec, RunnerProgress([0.0, 0.0, 0.0]), store, lambda _: FakeEngine())
+    unit = Runner(spec, RunnerProgress([0.0, 0.0, 0.0, 0.0]), store, lambda _: FakeEngine())
     # As Runner.run starts serving (the runner's status moves by exo_tasks.lifecycle's table).
     unit.outbox.publish(RunnerStatus.LOADING)
     unit.load()

@@ -92,13 +92,16 @@ def test_a_follower_runs_rank_0_s_operations_in_its_order_with_the_same_seeds() 
     lead.step()
     lead.close()
     follower = Recorder(chunk=8)  # a slower host: its own clock would prefill less a step
-    steps: list[tuple[int, int]] = []
-    follow(cast(Any, follower), cast(Any, wire), lambda *counts: steps.append(counts))
+    begun: list[tuple[int, int]] = []
+    ended: list[int] = []
+    follow(cast(Any, follower), cast(Any, wire), lambda *counts: begun.append(counts), ended.append)
     assert follower.calls == engine.calls
     seeds = {call[1]: call[3] for call in engine.calls if call[0] == "add"}
     assert seeds["a"] is None  # greedy: nothing to draw
     assert isinstance(seeds["b"], int) and seeds["c"] == 9  # every sampled job has a seed
-    assert len(steps) == 3 and not wire.plans  # warmup and two steps; close ends the loop
+    # Two steps timed by the watchdog (warmup is not one), each begun with two jobs without a
+    # token yet (the recorder samples none); three ends (warmup's too); close ends the loop.
+    assert [awaiting for _, awaiting in begun] == [2, 2] and len(ended) == 3 and not wire.plans
 
 
 def test_a_follower_that_ended_other_jobs_than_rank_0_fails() -> None:
@@ -110,7 +113,7 @@ def test_a_follower_that_ended_other_jobs_than_rank_0_fails() -> None:
     lead.step()  # carries rank 0's ending of "a"
     follower = Recorder()  # it ends nothing
     with pytest.raises(Diverged, match="rank 0 ended"):
-        follow(cast(Any, follower), cast(Any, wire), lambda *_: None)
+        follow(cast(Any, follower), cast(Any, wire), lambda *_: None, lambda _: None)
 
 
 def test_a_lost_ring_peer_is_peer_lost_not_a_crash_of_the_loop() -> None:
@@ -195,7 +198,8 @@ def test_a_follower_prefills_rank_0_s_chunks_whatever_its_own_clock_says(
             lead.step()
         lead.close()
         sent = [StepPlan.model_validate_json(plan).chunks for plan in wire.plans]
-        follow(follower, cast(Any, wire), lambda *_: None)  # Diverged if it ended other jobs
+        # Diverged if it ended other jobs.
+        follow(follower, cast(Any, wire), lambda *_: None, lambda _: None)
     finally:
         follower.close()
     assert prefilled == [chunks for chunks in sent if chunks]

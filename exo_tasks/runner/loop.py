@@ -71,7 +71,9 @@ class Runner:
         self.progress = progress
         self.store = store or Store.from_url(spec.redis_url, job_ttl_s=spec.job_ttl_s)
         self.engine_factory = engine_factory
-        self.outbox = Outbox(self.store, spec.first_state(), self._occupancy)
+        self.outbox = Outbox(
+            self.store, spec.first_state(), self._occupancy, progress.waiting_for_redis
+        )
         self.commands: queue.Queue[intake.Command] = queue.Queue()
         self.keep_alive = KeepAlive(spec.idle_unload_s, jobs_decide=spec.rank is None)
         self.in_flight = InFlight(spec, self.store, self.outbox, progress, self.keep_alive)

@@ -4,6 +4,7 @@ instance other than 0, the loop that follows rank 0)."""
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import multiprocessing
@@ -15,7 +16,7 @@ from typing import Any, NoReturn
 
 from exo_tasks.logs import configure_logging
 from exo_tasks.process_exit import exit_now
-from exo_tasks.runner.process import RunnerProgress, RunnerSpec
+from exo_tasks.runner.process import STACKS_SIGNAL, RunnerProgress, RunnerSpec
 from exo_tasks.store import Store
 
 log = logging.getLogger("exo_tasks.runner")
@@ -32,6 +33,7 @@ def main(spec_json: str, progress_array: Any) -> NoReturn:
     # must not reach the runner; the supervisor decides when it stops.
     os.setpgid(0, 0)
     configure_logging(spec.log_level, runner=spec.runner_id, host=spec.host)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     _exit_with_parent(spec)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     progress = RunnerProgress(progress_array)

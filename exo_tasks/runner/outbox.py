@@ -2,14 +2,17 @@
 its own published state. Kept here while Redis is down and delivered in order once it is back,
 so the jobs' streams stay complete. Each step's writes travel on a thread of their own
 (`exo_tasks.runner.step_writer`); every other write waits for them (`drain`), so that it
-follows the steps before it.
+follows the steps before it. A wait for Redis is not silence for the stall watchdog (`waiting`):
+a slow or paused Redis must not fail a runner's jobs as hung.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
 
@@ -53,9 +56,15 @@ class Occupancy(NamedTuple):
 
 class Outbox:
     def __init__(
-        self, store: OutboxStore, state: RunnerState, occupancy: Callable[[], Occupancy]
+        self,
+        store: OutboxStore,
+        state: RunnerState,
+        occupancy: Callable[[], Occupancy],
+        waiting: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
+        """`waiting`: around each wait for Redis (the stall watchdog's RunnerProgress)."""
         self.store = store
+        self.waiting = waiting
         self.writer = StepWriter(store.jobs, state.id)
         self.state = state
         self.occupancy = occupancy
@@ -89,8 +98,7 @@ class Outbox:
                 return
             self.state = moved
         try:
-            self.drain()
-            self.store.runners.publish(self.state, status_changed=changed)
+            self._deliver(self.state, status_changed=changed)
             self.state_unpublished = False
         except (redis.ConnectionError, redis.TimeoutError):
             self.state_unpublished = True  # published again once Redis is back
@@ -101,14 +109,21 @@ class Outbox:
         """Publish the runner's state as it is, over what another process wrote of it (a
         recovery loop that took this host for gone): a change of status in the store."""
         self.amend(updated_at=utcnow(), **self.occupancy()._asdict())
-        self.drain()
-        self.store.runners.publish(self.state)
+        self._deliver(self.state)
         log.info("runner status %s restated", self.state.status)
 
     def drain(self) -> None:
         """Wait until every token and ending owed so far is in Redis (raises as `flush`)."""
-        self._put()
-        self.writer.drain()
+        self._deliver(None)
+
+    def _deliver(self, state: RunnerState | None, *, status_changed: bool = True) -> None:
+        """Wait until every token and ending owed so far is in Redis, then publish `state`
+        if given: all of it a wait for Redis."""
+        with self.waiting():
+            self._put()
+            self.writer.drain()
+            if state is not None:
+                self.store.runners.publish(state, status_changed=status_changed)
 
     def jobs_changed(self) -> None:
         """Publish Running/Ready and active_jobs with the next tokens or endings, after them (the
@@ -122,7 +137,8 @@ class Outbox:
         again); then the runner's state if jobs came or went. `stopping`: the stop's status
         stands, whatever the jobs."""
         wrote = self._put()
-        self.writer.check()
+        with self.waiting():  # at once, unless the last write failed
+            self.writer.check()
         due = self.state_due is not None and (wrote or time.monotonic() >= self.state_due)
         if due or self.state_unpublished:
             self._publish_jobs(stopping)

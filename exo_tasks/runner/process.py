@@ -5,8 +5,11 @@ array), how it builds its engine and reads its inbox, and its exit codes. The ba
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel
@@ -33,6 +36,10 @@ if TYPE_CHECKING:  # the engine imports MLX, which only the runner process needs
     from exo_tasks.types import ChatMessage, SamplingParams
     from exo_tasks.wire import Tool
 
+# The signal at which a runner writes every thread's Python stack to its log (faulthandler, so
+# also from inside a call into C, a collective say): the supervisor sends it to a hung runner
+# before stopping it, so the log shows where it hung.
+STACKS_SIGNAL = signal.SIGUSR2
 # Exit code of a runner that cannot work as configured: the supervisor does not restart it.
 EXIT_CONFIG = 78  # EX_CONFIG
 # Exit code of a runner that unloaded its idle model: started again on demand, not restarted.
@@ -147,7 +154,8 @@ class RunnerSpec(BaseModel):
 
 class RunnerProgress:
     """Shared memory with the supervisor, so it can tell a hung runner from a busy one:
-    [time of the last progress (monotonic), active jobs, jobs still waiting for a first token]."""
+    [time of the last progress (monotonic), active jobs, jobs still waiting for a first token,
+    since when the runner waits for Redis (0: it does not)]."""
 
     def __init__(self, array: Any) -> None:
         self.array = array
@@ -155,19 +163,40 @@ class RunnerProgress:
     @classmethod
     def create(cls, context: Any) -> RunnerProgress:
         # No lock: a runner SIGKILLed while holding it would leave the supervisor blocked.
-        return cls(context.Array("d", 3, lock=False))
+        return cls(context.Array("d", 4, lock=False))
 
     def record(self, *, active: int, awaiting_first_token: int, progressed: bool) -> None:
         if progressed:
             self.array[0] = time.monotonic()
         self.array[1], self.array[2] = active, awaiting_first_token
 
+    @contextlib.contextmanager
+    def waiting_for_redis(self) -> Iterator[None]:
+        """The time spent inside is not silence: a slow or paused Redis is not a hung runner
+        (each call's own timeout bounds the wait; a Redis that refuses is waited out as
+        progress by the loop). Written in this order, the supervisor never reads a wait's end
+        without its time taken off the silence."""
+        began = time.monotonic()
+        self.array[3] = began
+        try:
+            yield
+        finally:
+            self.array[0] += time.monotonic() - began
+            self.array[3] = 0.0
+
     def stall(self, prefill_timeout_s: float, decode_timeout_s: float) -> str | None:
         """Why the runner counts as hung, or None. Idle is never a stall."""
+        waiting_since = self.array[3]  # read before the last progress (see waiting_for_redis)
         last, active, awaiting = self.array[0], self.array[1], self.array[2]
         if active == 0:
             return None
-        silent_s = time.monotonic() - last
+        now = time.monotonic()
+        if waiting_since:
+            waited_s = now - waiting_since
+            if waited_s > prefill_timeout_s:  # longer than any call's timeouts: not Redis
+                return f"stalled waiting for Redis ({waited_s:.1f}s)"
+            now = waiting_since  # the silence ends where the wait began
+        silent_s = now - last
         if awaiting and silent_s > prefill_timeout_s:
             return f"stalled in prefill (no first token for {silent_s:.1f}s)"
         if not awaiting and silent_s > decode_timeout_s:

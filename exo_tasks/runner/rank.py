@@ -149,7 +149,7 @@ class Follower:
             peak_memory_bytes=peak,
         )
         try:
-            follow(engine, Channel(group), self._stepped)
+            follow(engine, Channel(group), self._stepping, self._stepped)
         except Exception as exc:
             log.exception("rank failed while following rank 0")
             self.publish(RunnerStatus.FAILED, error=f"rank failed: {exc}")
@@ -158,10 +158,14 @@ class Follower:
         log.info("rank stopped cleanly")
         return 0
 
-    def _stepped(self, active: int, awaiting_first_token: int) -> None:
+    def _stepping(self, active: int, awaiting_first_token: int) -> None:
         self.progress.record(
             active=active, awaiting_first_token=awaiting_first_token, progressed=True
         )
+
+    def _stepped(self, active: int) -> None:
+        # Waiting for the next plan: idle for the watchdog, whatever jobs it holds.
+        self.progress.record(active=0, awaiting_first_token=0, progressed=True)
         if self.busy and not active:  # its batch emptied: show the memory it took
             self._publish_memory()
         self.busy = active > 0

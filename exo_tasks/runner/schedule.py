@@ -177,10 +177,18 @@ class LeaderEngine:
             raise
 
 
-def follow(engine: BatchEngine, channel: Channel, on_step: Callable[[int, int], None]) -> None:
-    """A follower's loop: apply rank 0's plans until it closes. `on_step(active jobs, jobs
-    still without a first token)` after each step (the supervisor's stall watchdog). Raises
-    Diverged, or the ring's error."""
+def follow(
+    engine: BatchEngine,
+    channel: Channel,
+    stepping: Callable[[int, int], None],
+    stepped: Callable[[int], None],
+) -> None:
+    """A follower's loop: apply rank 0's plans until it closes. `stepping(active jobs, jobs
+    still without a first token)` as each step begins, `stepped(active jobs)` once it ended:
+    the supervisor's stall watchdog times a follower's steps alone. Its wait for the next plan
+    is rank 0's to answer for (rank 0's own watchdog, its host's heartbeat, the ring's end
+    when it dies): rank 0 may be waiting for Redis, which is no hang. Raises Diverged, or the
+    ring's error."""
     ended: list[str] = []
     fresh: set[str] = set()  # jobs added that have not sampled a token yet
     while True:
@@ -201,7 +209,8 @@ def follow(engine: BatchEngine, channel: Channel, on_step: Callable[[int, int], 
             engine.warmup()
             ended = []
         else:
+            stepping(engine.active_jobs, len(fresh))
             deltas = engine.admit_waiting() + engine.advance(plan.chunks)
             ended = ended_jobs(deltas)
             fresh.difference_update(d.job_id for d in deltas)
-        on_step(engine.active_jobs, len(fresh))
+        stepped(engine.active_jobs)

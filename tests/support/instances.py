@@ -43,6 +43,12 @@ class Pair:
         assert record is not None
         return record
 
+    def explain(self, record: InstanceRecord) -> str:
+        """Why the instance is not Ready, for an assertion: its error, and the end of each
+        worker's log (a hung rank's stacks are there)."""
+        logs = [f"--- worker {h} ---\n{w.log_text()[-4000:]}" for h, w in self.workers.items()]
+        return "\n".join([f"{record.status}: {record.error}", *logs])
+
     def rank_pid(self, rank: int) -> int:
         pid = self.instance().ranks[rank].pid
         assert pid is not None

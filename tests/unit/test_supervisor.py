@@ -19,7 +19,7 @@ import pytest
 from exo_tasks.commands import RunnerCommand, StopRunner
 from exo_tasks.fleet_types import RunnerStatus
 from exo_tasks.runner import process as runner_process
-from exo_tasks.runner.process import RankSpec, RunnerProgress
+from exo_tasks.runner.process import STACKS_SIGNAL, RankSpec, RunnerProgress
 from exo_tasks.worker import runner_exits
 from exo_tasks.worker import supervisor as supervisor_module
 from exo_tasks.worker.ranks import RankKeeper
@@ -248,7 +248,7 @@ class TestEscalation:
         settings = supervisor.settings
         limit_s = settings.prefill_timeout_s if in_prefill else settings.decode_timeout_s
         silent_since = time.monotonic() - limit_s - 1
-        supervisor.handles[RUNNER_ID].progress = RunnerProgress([silent_since, 1, in_prefill])
+        supervisor.handles[RUNNER_ID].progress = RunnerProgress([silent_since, 1, in_prefill, 0.0])
 
     def test_a_hung_runners_jobs_fail_at_once_and_it_gets_no_grace(
         self,
@@ -263,8 +263,8 @@ class TestEscalation:
         supervisor._check_stalls()
         assert store.runners.failed_jobs[0][0] == RUNNER_ID
         assert "stalled in prefill" in store.runners.failed_jobs[0][1]
-        [(signum, at)] = host.stopped_at
-        assert signum == SIGTERM and at == asked_at
+        # Its stacks to the log first, then SIGTERM at once.
+        assert host.stopped_at == [(STACKS_SIGNAL, asked_at), (SIGTERM, asked_at)]
 
     def test_a_hung_runner_is_stopped_though_redis_refuses_to_fail_its_jobs(
         self,
@@ -276,7 +276,7 @@ class TestEscalation:
         self.hang(supervisor, host, monkeypatch, in_prefill=False)
         store.link.unreachable = 1
         supervisor._check_stalls()
-        assert [signum for signum, _ in host.stopped_at] == [SIGTERM]
+        assert [signum for signum, _ in host.stopped_at] == [STACKS_SIGNAL, SIGTERM]
         [(runner_id, error)] = store.runners.failed_jobs  # by its exit, Redis being back
         assert runner_id == RUNNER_ID and error.startswith(f"runner {RUNNER_ID} failed: stalled")
 
