@@ -85,6 +85,37 @@ def test_a_stream_and_chat_completions_on_an_instance_equal_the_model_whole(pair
         assert streamed_chat == answers[1].choices[0].message.content
 
 
+# An idle rank's share of a core at most (one that waited on the ring took all of one).
+IDLE_CPU_SHARE = 0.05
+
+
+def busy_share(pids: list[int], over_s: float = 3.0) -> list[float]:
+    """Each process's CPU time over `over_s`, as a share of one core."""
+    processes = [psutil.Process(pid) for pid in pids]
+    before = [sum(p.cpu_times()[:2]) for p in processes]
+    time.sleep(over_s)
+    return [(sum(p.cpu_times()[:2]) - b) / over_s for p, b in zip(processes, before, strict=True)]
+
+
+def test_an_idle_instance_keeps_no_core_busy(pair: Pair) -> None:
+    """mlx's ring polls its socket while a receive is pending: a follower that waited on the
+    ring for rank 0's next plan kept a core busy for as long as the instance was idle. Idle,
+    before a job and after it, every rank now takes a small share of a core, and the job
+    after the idle time is the whole model's."""
+    before = pair.wait_ready()
+    pids = [pair.rank_pid(rank) for rank in range(len(before.ranks))]
+    shares = busy_share(pids)
+    assert max(shares) < IDLE_CPU_SHARE, f"idle ranks' shares of a core: {shares}"
+    request = {"prompt": "after a rest", "max_tokens": 20, "ignore_eos": True}
+    on_instance = run_batch(pair, "chat", [request])
+    assert [outcome(j) for j in on_instance] == [
+        outcome(j) for j in run_batch(pair, "whole", [request])
+    ]
+    shares = busy_share(pids)
+    assert max(shares) < IDLE_CPU_SHARE, f"ranks' shares of a core after a job: {shares}"
+    assert pair.instance().generation == before.generation
+
+
 def test_jobs_that_join_a_decoding_batch_one_by_one_equal_the_model_whole(pair: Pair) -> None:
     """Each job added while the batch decodes: its plan goes out while the last step still
     computes (mlx-lm evaluates the next tokens asynchronously). On the model's own stream the

@@ -77,7 +77,7 @@ class Wire:
 def leader(wire: Wire, collectives: Collectives | None = None) -> tuple[LeaderEngine, Recorder]:
     engine = Recorder(chunk=32)
     collectives = collectives or Collectives()
-    return LeaderEngine(cast(Any, engine), cast(Any, wire), collectives), engine
+    return LeaderEngine(cast(Any, engine), cast(Any, wire), collectives, lambda: None), engine
 
 
 def test_a_follower_runs_rank_0_s_operations_in_its_order_with_the_same_seeds() -> None:
@@ -93,8 +93,14 @@ def test_a_follower_runs_rank_0_s_operations_in_its_order_with_the_same_seeds() 
     lead.close()
     follower = Recorder(chunk=8)  # a slower host: its own clock would prefill less a step
     begun: list[tuple[int, int]] = []
-    ended: list[int] = []
-    follow(cast(Any, follower), cast(Any, wire), lambda *counts: begun.append(counts), ended.append)
+    ended: list[None] = []
+    follow(
+        cast(Any, follower),
+        cast(Any, wire),
+        lambda *counts: begun.append(counts),
+        lambda: ended.append(None),
+        lambda: None,
+    )
     assert follower.calls == engine.calls
     seeds = {call[1]: call[3] for call in engine.calls if call[0] == "add"}
     assert seeds["a"] is None  # greedy: nothing to draw
@@ -102,6 +108,39 @@ def test_a_follower_runs_rank_0_s_operations_in_its_order_with_the_same_seeds() 
     # Two steps timed by the watchdog (warmup is not one), each begun with two jobs without a
     # token yet (the recorder samples none); three ends (warmup's too); close ends the loop.
     assert [awaiting for _, awaiting in begun] == [2, 2] and len(ended) == 3 and not wire.plans
+
+
+def test_an_emptied_batch_sends_the_followers_off_the_ring_until_the_next_plan() -> None:
+    """mlx's ring polls its socket while a receive waits: an idle follower must not wait there
+    (it kept a core busy). Rank 0's step that empties its batch is followed by an `idle` plan;
+    its next plan comes once it has woken the followers, and a follower waits for that word
+    after each `idle` plan, before the plan that follows it."""
+    wire = Wire()
+    engine = Recorder(chunk=32)
+    woken: list[int] = []  # how many plans were sent when rank 0 woke the followers
+    lead = LeaderEngine(
+        cast(Any, engine), cast(Any, wire), Collectives(), lambda: woken.append(len(wire.plans))
+    )
+    engine.active_jobs = 1
+    lead.add("a", [1], SamplingParams())
+    lead.step()  # a job left: the followers stay on the ring
+    engine.active_jobs = 0
+    lead.step()  # the batch emptied: idle
+    lead.step()  # woken first
+    lead.close()  # woken first
+    actions = [StepPlan.model_validate_json(plan).action for plan in wire.plans]
+    assert actions == ["step", "step", "idle", "step", "idle", "close"]
+    assert woken == [3, 5]
+    waited: list[int] = []  # how many plans were left to read when the follower waited
+    follower = Recorder()
+    follow(
+        cast(Any, follower),
+        cast(Any, wire),
+        lambda *_: None,
+        lambda: None,
+        lambda: waited.append(len(wire.plans)),
+    )
+    assert waited == [3, 1] and follower.calls == engine.calls
 
 
 def test_a_follower_that_ended_other_jobs_than_rank_0_fails() -> None:
@@ -113,7 +152,7 @@ def test_a_follower_that_ended_other_jobs_than_rank_0_fails() -> None:
     lead.step()  # carries rank 0's ending of "a"
     follower = Recorder()  # it ends nothing
     with pytest.raises(Diverged, match="rank 0 ended"):
-        follow(cast(Any, follower), cast(Any, wire), lambda *_: None, lambda _: None)
+        follow(cast(Any, follower), cast(Any, wire), lambda *_: None, lambda: None, lambda: None)
 
 
 def test_a_lost_ring_peer_is_peer_lost_not_a_crash_of_the_loop() -> None:
@@ -178,7 +217,7 @@ def test_a_follower_prefills_rank_0_s_chunks_whatever_its_own_clock_says(
     for lane in follower._lanes:
         lane.pace = SlowHost()
     wire = Wire()
-    lead = LeaderEngine(lead_engine, cast(Any, wire), Collectives())
+    lead = LeaderEngine(lead_engine, cast(Any, wire), Collectives(), lambda: None)
     prefilled: list[list[int | None]] = []
     advance = follower.advance
 
@@ -199,7 +238,7 @@ def test_a_follower_prefills_rank_0_s_chunks_whatever_its_own_clock_says(
         lead.close()
         sent = [StepPlan.model_validate_json(plan).chunks for plan in wire.plans]
         # Diverged if it ended other jobs.
-        follow(follower, cast(Any, wire), lambda *_: None, lambda _: None)
+        follow(follower, cast(Any, wire), lambda *_: None, lambda: None, lambda: None)
     finally:
         follower.close()
     assert prefilled == [chunks for chunks in sent if chunks]

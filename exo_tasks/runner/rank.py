@@ -6,9 +6,12 @@ rank 0's schedule (`exo_tasks.runner.schedule`). Rank 0 runs the ordinary batchi
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
+
+import redis
 
 from exo_tasks import lifecycle
 from exo_tasks.fleet_types import RunnerStatus
@@ -25,7 +28,7 @@ from exo_tasks.runner.process import (
     rank_failure,
 )
 from exo_tasks.runner.sigterm import Collectives
-from exo_tasks.store import Store
+from exo_tasks.store import Store, redis_waits
 from exo_tasks.types import utcnow
 
 if TYPE_CHECKING:  # it imports MLX: loaded only once a rank builds its engine
@@ -33,6 +36,8 @@ if TYPE_CHECKING:  # it imports MLX: loaded only once a rank builds its engine
 
 log = logging.getLogger("exo_tasks.runner")
 ADDRESS_POLL_S = 0.2
+# One wait of an idle follower for rank 0's word, within the Redis client's socket timeout.
+WAKE_WAIT_S = 5.0
 # Exit code of a rank whose start is no longer its instance's (another generation, or the
 # instance stopped before the ring formed): not a failure of its own.
 EXIT_STALE = 4
@@ -99,10 +104,14 @@ def load_leader(spec: RunnerSpec, store: Store, collectives: Collectives) -> Eng
     """Rank 0's engine factory for the batching loop: the ring, the shard, a LeaderEngine."""
     from exo_tasks.runner.schedule import Channel, LeaderEngine
 
+    rank = spec.rank
+    assert rank is not None
     with collectives.inside():  # mlx joins the ring, and may load, in C: no handler runs
         group = join_ring(spec, store)
         model, tokenizer = load_shard(spec, group)
-    return LeaderEngine(rank_engine(spec, model, tokenizer), Channel(group), collectives)
+    followers = range(1, rank.world)
+    wake = functools.partial(store.instances.wake, rank.instance_id, rank.generation, followers)
+    return LeaderEngine(rank_engine(spec, model, tokenizer), Channel(group), collectives, wake)
 
 
 class Follower:
@@ -113,7 +122,6 @@ class Follower:
         self.spec, self.progress, self.store = spec, progress, store
         self.state = spec.first_state()
         self.engine: BatchEngine | None = None
-        self.busy = False
 
     def publish(self, *statuses: RunnerStatus, error: str | None = None, **changes: Any) -> None:
         """Each status in turn, as the runner statuses' table allows (exo_tasks.lifecycle)."""
@@ -149,7 +157,7 @@ class Follower:
             peak_memory_bytes=peak,
         )
         try:
-            follow(engine, Channel(group), self._stepping, self._stepped)
+            follow(engine, Channel(group), self._stepping, self._stepped, self._rest)
         except Exception as exc:
             log.exception("rank failed while following rank 0")
             self.publish(RunnerStatus.FAILED, error=f"rank failed: {exc}")
@@ -163,12 +171,31 @@ class Follower:
             active=active, awaiting_first_token=awaiting_first_token, progressed=True
         )
 
-    def _stepped(self, active: int) -> None:
+    def _stepped(self) -> None:
         # Waiting for the next plan: idle for the watchdog, whatever jobs it holds.
         self.progress.record(active=0, awaiting_first_token=0, progressed=True)
-        if self.busy and not active:  # its batch emptied: show the memory it took
-            self._publish_memory()
-        self.busy = active > 0
+
+    def _rest(self) -> None:
+        """Rank 0 has no job: show the memory the batch took, then wait off the ring for rank
+        0's word that its next plan comes. Both in Redis, which rank 0 never waits for here (a
+        write between two plans held rank 0 in its next collective while Redis was paused).
+        Redis unreachable: wait for it (rank 0 can take no job meanwhile)."""
+        rank = self.spec.rank
+        assert rank is not None
+        shown = woken = False
+        while not woken:
+            try:
+                if not shown:
+                    self._publish_memory()
+                    shown = True
+                woken = self.store.instances.wait_for_wake(
+                    rank.instance_id, rank.generation, rank.rank, WAKE_WAIT_S
+                )
+            except redis.RedisError as exc:
+                if not redis_waits(exc):
+                    raise
+                log.warning("redis unreachable; idle rank waits", extra={"error": str(exc)})
+                time.sleep(ADDRESS_POLL_S)
 
     def _publish_memory(self) -> None:
         assert self.engine is not None

@@ -14,6 +14,12 @@ than run a batch that is no longer rank 0's.
 Sampling draws from each job's own key: rank 0 gives a seed to every job that samples and has
 none, so all ranks draw the same tokens without sharing a random state.
 
+An instance with no jobs does not wait on the ring: mlx's ring polls its socket while a
+receive is pending, so a follower waiting there for the next plan kept a core busy for as long
+as the instance was idle. Rank 0's step that empties its batch is followed by an `idle` plan;
+each follower then waits off the ring, in Redis (`InstanceRecords.wait_for_wake`), until rank
+0's next plan is on its way (`InstanceRecords.wake`).
+
 The plan travels on the ring itself, as mlx_lm.server shares requests (`all_sum` of the bytes,
 rank 0 alone giving them), on the generation stream the model runs on: on another stream it
 could overtake a step still in flight, and the ranks would read each other's activations as a
@@ -50,12 +56,14 @@ class RemoveJob(BaseModel):
 
 
 Operation = Annotated[AddJob | RemoveJob, Field(discriminator="kind")]
+# What every rank does with a plan: a step, the warmup, leave (close), or wait off the ring.
+Action = Literal["step", "warmup", "close", "idle"]
 
 
 class StepPlan(BaseModel):
     """Rank 0's decision for one step, as every rank applies it."""
 
-    action: Literal["step", "warmup", "close"] = "step"
+    action: Action = "step"
     ops: list[Operation] = []
     # The jobs rank 0's previous step ended (or failed): each follower's must be the same.
     ended: list[str] = []
@@ -111,12 +119,20 @@ def ended_jobs(deltas: list[TokenDelta]) -> list[str]:
 class LeaderEngine:
     """Rank 0's engine: the runner's Engine, each step shared with the other ranks first."""
 
-    def __init__(self, engine: BatchEngine, channel: Channel, collectives: Collectives) -> None:
+    def __init__(
+        self,
+        engine: BatchEngine,
+        channel: Channel,
+        collectives: Collectives,
+        wake_followers: Callable[[], None],
+    ) -> None:
         self.engine = engine
         self.channel = channel
         self.collectives = collectives  # where a SIGTERM finds the main thread
+        self.wake_followers = wake_followers
         self._ops: list[Operation] = []
         self._ended: list[str] = []
+        self._followers_idle = False
 
     lanes = property(lambda self: self.engine.lanes)
     largest_batch = property(lambda self: self.engine.largest_batch)
@@ -141,6 +157,7 @@ class LeaderEngine:
         self._ops.append(RemoveJob(job_id=job_id))
 
     def step(self) -> list[TokenDelta]:
+        self._wake()
         with self.collectives.inside():
             failed = self.engine.admit_waiting()  # no collective: it only queues prompts
             chunks = self.engine.prefill_sizes()
@@ -151,22 +168,39 @@ class LeaderEngine:
         if lost is not None:
             raise PeerLost(lost)
         self._ended = ended_jobs(deltas)
+        self._idle_if_empty()
         return deltas
 
     def warmup(self) -> None:
+        self._wake()
         with self.collectives.inside():
             self._send("warmup")
             self.engine.warmup()
+        self._idle_if_empty()
 
     def close(self) -> None:
         """Release the followers (they leave their loop), then the engine."""
+        self._wake()
         with self.collectives.inside():
             self._send("close")
         self.engine.close()
 
-    def _send(
-        self, action: Literal["step", "warmup", "close"], chunks: list[int | None] | None = None
-    ) -> None:
+    def _idle_if_empty(self) -> None:
+        """No job left: the followers wait off the ring until the next plan (`_wake`)."""
+        if self.engine.active_jobs or self._followers_idle:
+            return
+        with self.collectives.inside():
+            self._send("idle")
+        self._followers_idle = True
+
+    def _wake(self) -> None:
+        """Before a plan, the idle followers are told it comes (a Redis write: raises as the
+        runner's other writes, nothing sent yet)."""
+        if self._followers_idle:
+            self.wake_followers()
+            self._followers_idle = False
+
+    def _send(self, action: Action, chunks: list[int | None] | None = None) -> None:
         plan = StepPlan(action=action, ops=self._ops, ended=self._ended, chunks=chunks or [])
         self._ops, self._ended = [], []
         try:
@@ -181,14 +215,16 @@ def follow(
     engine: BatchEngine,
     channel: Channel,
     stepping: Callable[[int, int], None],
-    stepped: Callable[[int], None],
+    stepped: Callable[[], None],
+    rest: Callable[[], None],
 ) -> None:
     """A follower's loop: apply rank 0's plans until it closes. `stepping(active jobs, jobs
-    still without a first token)` as each step begins, `stepped(active jobs)` once it ended:
-    the supervisor's stall watchdog times a follower's steps alone. Its wait for the next plan
+    still without a first token)` as each step begins, `stepped()` once it ended: the
+    supervisor's stall watchdog times a follower's steps alone. Its wait for the next plan
     is rank 0's to answer for (rank 0's own watchdog, its host's heartbeat, the ring's end
-    when it dies): rank 0 may be waiting for Redis, which is no hang. Raises Diverged, or the
-    ring's error."""
+    when it dies): rank 0 may be waiting for Redis, which is no hang. After an `idle` plan,
+    `rest()` returns once rank 0 says its next plan comes. Raises Diverged, or the ring's
+    error."""
     ended: list[str] = []
     fresh: set[str] = set()  # jobs added that have not sampled a token yet
     while True:
@@ -205,6 +241,10 @@ def follow(
         if plan.action == "close":
             engine.close()
             return
+        if plan.action == "idle":
+            ended = []
+            rest()
+            continue
         if plan.action == "warmup":
             engine.warmup()
             ended = []
@@ -213,4 +253,4 @@ def follow(
             deltas = engine.admit_waiting() + engine.advance(plan.chunks)
             ended = ended_jobs(deltas)
             fresh.difference_update(d.job_id for d in deltas)
-        stepped(engine.active_jobs)
+        stepped()

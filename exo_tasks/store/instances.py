@@ -18,7 +18,7 @@ from exo_tasks.instances import (
     move,
 )
 from exo_tasks.store.client import NAMED_ARGS, RedisPart, named, one_set
-from exo_tasks.store.keys import INSTANCES, instance_key
+from exo_tasks.store.keys import INSTANCES, instance_key, rank_wake_key
 
 # How often place() looks again when another writer moved the instance between its read and
 # its write (each retry reads the new state; two are plenty, this is a bound, not a wait).
@@ -61,6 +61,9 @@ redis.call('HSET', KEYS[2], a.rank, a.record)
 return 1
 """
 )
+
+# A word to an idle rank that was not taken (the rank gone) goes with its key after this long.
+WAKE_TTL_S = 3600
 
 # KEYS: the instance's hash, then a hash of its ranks' addresses. ARGV: generation, rank,
 # value. Written only while the instance is of that generation.
@@ -192,6 +195,20 @@ class InstanceRecords(RedisPart):
             address, _, port = value.rpartition("|")
             found[int(rank)] = (address, int(port))
         return found
+
+    def wake(self, instance_id: str, generation: int, ranks: Iterable[int]) -> None:
+        """Tell idle follower `ranks` of `generation` that rank 0's next plan comes."""
+        pipe = self.redis.pipeline(transaction=True)
+        for rank in ranks:
+            key = rank_wake_key(instance_id, generation, rank)
+            pipe.rpush(key, 1)
+            pipe.expire(key, WAKE_TTL_S)
+        pipe.execute()
+
+    def wait_for_wake(self, instance_id: str, generation: int, rank: int, timeout_s: float) -> bool:
+        """Whether rank 0's word (`wake`) came within `timeout_s`; taken if so."""
+        key = rank_wake_key(instance_id, generation, rank)
+        return self.redis.blpop([key], timeout=timeout_s) is not None
 
     def remove(self, instance_id: str) -> None:
         pipe = self.redis.pipeline(transaction=True)

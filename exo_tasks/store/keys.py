@@ -72,6 +72,12 @@ def instance_key(instance_id: str, part: InstancePart | None = None) -> str:
     return key if part is None else f"{key}:{part}"
 
 
+def rank_wake_key(instance_id: str, generation: int, rank: int) -> str:
+    """The list an idle follower rank of `generation` waits on for rank 0's word that its
+    next plan comes (exo_tasks.runner.schedule)."""
+    return f"{instance_key(instance_id)}:wake:{generation}:{rank}"
+
+
 def host_key(host: str) -> str:
     """The host's heartbeat (JSON, expiring)."""
     return f"{PREFIX}:host:{host}"

@@ -309,7 +309,8 @@ class RankKeeper:
         instance = self.store.instances.get(spec.rank.instance_id)
         if instance is None or instance.generation != spec.rank.generation:
             return
-        clean = exitcode in (0, EXIT_STALE)
+        # A rank stopped as hung failed, however it exits: it may exit 0 once unblocked.
+        clean = exitcode in (0, EXIT_STALE) and handle.stall is None
         intended = handle.stop is not None and handle.stall is None
         status = RunnerStatus.SHUTDOWN if clean else RunnerStatus.FAILED
         record = instance.ranks[spec.rank.rank]

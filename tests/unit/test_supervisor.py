@@ -76,7 +76,7 @@ class Host:
         return process
 
     def Array(self, *_: Any, **__: Any) -> list[float]:
-        return [0.0, 0.0, 0.0]
+        return [0.0, 0.0, 0.0, 0.0]
 
     def kill(self, pid: int, signum: int) -> None:
         [process] = [p for p in self.processes if p.pid == pid]
