@@ -85,7 +85,7 @@ def test_worker_sigkill_and_api_restart_mid_batch_lose_nothing_twice_nothing(
         assert client.batches.retrieve(batch_id).status == "in_progress"
         new_worker(processes, redis.url, store, "bk-1", [tiny_model], tmp_path)
         batch = wait_status(client, batch_id, {"completed", "failed", "cancelled"}, 120)
-        assert batch.status == "completed", batch
+        assert batch.status == "completed", (batch.errors, batch.request_counts)
         output = read_file(client, batch.output_file_id)
         errors = read_file(client, batch.error_file_id)
     each_line_once(output, errors)
@@ -118,7 +118,7 @@ def test_redis_sigkill_and_restart_mid_batch_lose_nothing_twice_nothing(
         time.sleep(2)
         start_redis(processes, tmp_path / "redis", redis.port)
         batch = wait_status(client, batch_id, {"completed", "failed", "cancelled"}, 120)
-        assert batch.status == "completed", batch
+        assert batch.status == "completed", (batch.errors, batch.request_counts)
         output = read_file(client, batch.output_file_id)
         errors = read_file(client, batch.error_file_id)
     each_line_once(output, errors)
