@@ -48,17 +48,17 @@ def test_a_wait_for_redis_is_not_silence() -> None:
     """A runner inside a wait for Redis (a paused or slow Redis) is not hung, however long the
     wait up to the prefill limit; the silence before the wait still counts, and the wait is
     taken off it once over."""
-    shared = progress(2, active=3, awaiting_first=0)
+    shared = progress(4.5, active=3, awaiting_first=0)
     with shared.waiting_for_redis():
-        shared.array[3] -= 30  # as if it had waited 30 s already
+        time.sleep(1.0)  # past the decode limit, were the wait silence
         assert shared.stall(60, 5) is None
-        shared.array[3] -= 31
+        shared.array[3] -= 60  # as if it had waited 61 s: longer than any call's timeouts
         verdict = shared.stall(60, 5)
         assert verdict is not None and verdict.startswith("stalled waiting for Redis (61")
-    assert shared.stall(60, 5) is None  # 2 s of silence before the wait, and what follows it
-    shared.array[0] -= 4
+    assert shared.stall(60, 5) is None  # the second it waited is taken off the silence
+    shared.array[0] -= 1
     verdict = shared.stall(60, 5)
-    assert verdict is not None and verdict.startswith("stalled in decode (no token for 6")
+    assert verdict is not None and verdict.startswith("stalled in decode (no token for 5.5")
     before = progress(6, active=3, awaiting_first=0)
     with before.waiting_for_redis():  # silent past the limit before it began to wait
         assert (before.stall(60, 5) or "").startswith("stalled in decode")

@@ -10,7 +10,6 @@ unload) is `exo_tasks.worker.runner_exits`'s to record; this module acts on it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -155,17 +154,11 @@ class RunnerSupervisor:
                     extra={"runner": runner_id, "why": stall, "pid": handle.process.pid},
                 )
                 handle.stall = stall
-                self._log_stacks(handle.process)
+                # Its threads' stacks to the log (it shares the worker's), before the stop.
+                self._signal(handle.process, runner_process.STACKS_SIGNAL)
                 if handle.spec.rank is None:  # a rank's jobs fail with its instance's cause
                     self._fail_jobs_of_hung(runner_id, stall)
                 in_thread(self.stop_runner, runner_id, StopRunner(mode="hard"), 0.0)
-
-    @staticmethod
-    def _log_stacks(process: BaseProcess) -> None:
-        """Have the runner write its threads' stacks to the log (it shares the worker's)."""
-        if process.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, runner_process.STACKS_SIGNAL)
 
     def _fail_jobs_of_hung(self, runner_id: str, stall: str) -> None:
         """Fail a hung runner's jobs before its stop, so they carry the stall as their cause.
