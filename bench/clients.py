@@ -120,8 +120,9 @@ class ExoClient:
             http.conn.close()
 
 
-class MlxServerClient:
-    """`POST /v1/completions` with `stream: true`, usage requested in the last chunk.
+class CompletionsClient:
+    """`POST /v1/completions` with `stream: true`, usage requested in the last chunk: an
+    OpenAI client's streamed completion, of mlx_lm.server or of exo_tasks.
 
     mlx_lm.server has no ignore_eos: the bench model rarely samples its EOS (its logit is
     scaled down), and the tokens counted are the ones the server reports in `usage`.

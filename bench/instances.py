@@ -23,7 +23,7 @@ import psutil
 import requests
 
 from bench import throughput
-from bench.clients import ExoClient, MlxServerClient
+from bench.clients import CompletionsClient, ExoClient
 from bench.config import Config
 from bench.contenders import (
     START_TIMEOUT_S,
@@ -135,7 +135,7 @@ def _start_instance(lab: Lab, model: Path, tiny: Path) -> tuple[throughput.Runni
 def _start_mlx_ring(lab: Lab, model: Path) -> tuple[throughput.Running, Holders]:
     server = start_mlx_server(lab, "mlx-ring", model, ranks=2)
     ranks = [p.pid for p in _descendants(server.processes) if "mlx_lm" in " ".join(p.cmdline())]
-    client = throughput.Running(lambda: MlxServerClient(server.url), server.processes)
+    client = throughput.Running(lambda: CompletionsClient(server.url), server.processes)
     return client, Holders(ranks)
 
 

@@ -6,7 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.results import EXO, IN_PROCESS, MLX_SERVER, UNBATCHED, Measurement, Op, Results, Target
+from bench.results import (
+    EXO,
+    EXO_OPENAI,
+    IN_PROCESS,
+    MLX_SERVER,
+    UNBATCHED,
+    Measurement,
+    Op,
+    Results,
+    Target,
+)
 
 SECTION_TITLES = {
     "throughput": "1. Throughput under concurrency (bench model, 64-token jobs)",
@@ -125,7 +135,13 @@ def write_json(results: Results, path: Path, run: dict[str, Any]) -> None:
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
-COLORS = {EXO: "#1f77b4", MLX_SERVER: "#ff7f0e", UNBATCHED: "#7f7f7f", IN_PROCESS: "#2ca02c"}
+COLORS = {
+    EXO: "#1f77b4",
+    EXO_OPENAI: "#9467bd",
+    MLX_SERVER: "#ff7f0e",
+    UNBATCHED: "#7f7f7f",
+    IN_PROCESS: "#2ca02c",
+}
 
 
 def _bars(axis: Any, results: Results, section: str, names: list[str], title: str) -> None:
@@ -146,7 +162,8 @@ def _bars(axis: Any, results: Results, section: str, names: list[str], title: st
     axis.set_title(title, fontsize=10)
     if found := [m for m in results.measurements if m.section == section and m.name in names]:
         axis.set_ylabel(found[0].unit)
-    axis.legend(fontsize=7)
+    if contenders:  # a section this run left out has no bars, nor a legend
+        axis.legend(fontsize=7)
 
 
 def chart(results: Results, path: Path) -> None:

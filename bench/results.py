@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 EXO = "exo_tasks"
+EXO_OPENAI = "exo_tasks, OpenAI's streamed completion"
 MLX_SERVER = "mlx_lm.server"
 UNBATCHED = "exo_tasks, one job at a time"
 EXO_NO_CACHE = "exo_tasks, prompt cache off"

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
-from bench.clients import Client, ExoClient, MlxServerClient, Trace
+from bench.clients import Client, CompletionsClient, ExoClient, Trace
 from bench.config import Config
 from bench.contenders import Lab, start_exo, start_mlx_server
 from bench.prompts import text_of
@@ -64,7 +64,7 @@ def run(lab: Lab, config: Config, results: Results) -> None:
 def _start(lab: Lab, config: Config, contender: str) -> tuple[Callable[[], Client], Processes]:
     if contender == MLX_SERVER:
         server = start_mlx_server(lab, "mlx-stall", config.bench_model)
-        return lambda: MlxServerClient(server.url, PREFILL_SILENCE_S), server.processes
+        return lambda: CompletionsClient(server.url, PREFILL_SILENCE_S), server.processes
     # Without jobs decoding, a step prefills 256 tokens: on a loaded machine one such step of a
     # 7,000-token prompt's end can near the 60 s stall limit, which guards against hangs only.
     # The prompts alone share one lane, one after another: ~215 s each on a quiet 2-core

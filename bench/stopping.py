@@ -19,7 +19,7 @@ from functools import partial
 import psutil
 import requests
 
-from bench.clients import Client, ExoClient, MlxServerClient, Trace
+from bench.clients import Client, CompletionsClient, ExoClient, Trace
 from bench.config import Config
 from bench.contenders import START_TIMEOUT_S, Lab, start_exo, start_mlx_server
 from bench.load import prompt_for
@@ -170,7 +170,7 @@ def _mlx(lab: Lab, config: Config, results: Results) -> dict[tuple[str, str], st
     ):
         server = start_mlx_server(lab, "mlx-stop", config.tiny_model)
         try:
-            jobs = InFlight(partial(MlxServerClient, server.url), in_flight)
+            jobs = InFlight(partial(CompletionsClient, server.url), in_flight)
             jobs.wait_streaming()
             pid, at_stop = server.processes.started[0].pid, jobs.running()
             elapsed = _time_until_gone(_tree(pid), partial(os.kill, pid, sig))

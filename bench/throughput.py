@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.clients import Client, ExoClient, MlxServerClient
+from bench.clients import Client, CompletionsClient, ExoClient
 from bench.config import Config
 from bench.contenders import Lab, start_exo, start_mlx_server
 from bench.load import closed_loop, sequential
@@ -35,7 +35,7 @@ class Running:
 def start(lab: Lab, contender: str, model_dir: Path) -> Running:
     if contender == MLX_SERVER:
         server = start_mlx_server(lab, "mlx-server", model_dir)
-        return Running(lambda: MlxServerClient(server.url), server.processes)
+        return Running(lambda: CompletionsClient(server.url), server.processes)
     settings = ONE_AT_A_TIME if contender == UNBATCHED else {}
     name = "exo-unbatched" if contender == UNBATCHED else "exo"
     stack = start_exo(lab, name, model_dir, **settings)

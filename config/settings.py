@@ -162,6 +162,15 @@ class Settings(BaseSettings):
         "wait for Celery's delivery and a pool child before its first step. Off: every job is "
         "handed over by its task.",
     )
+    direct_task_delay_ms: int = Field(
+        100,
+        ge=0,
+        description="A short job (at most 16 tokens) handed over directly has its Celery task "
+        "sent this long after, unless it has succeeded by then: that task is then stored SUCCESS "
+        "and its events sent, with no message, so that a short job does not pay a Celery round "
+        "trip on the same cores. Its runner holds its time limits from the start; any other "
+        "job's task is sent at once. 0: sent at once.",
+    )
     prefix_routing_ttl_s: float = Field(
         900.0,
         ge=0,

@@ -72,6 +72,11 @@ class ExoCelery(Celery):
         backend.on_task_call = _no_subscription
         return backend
 
+    def send_sent_event(self, producer: Any, **fields: Any) -> None:
+        """The `task-sent` event of a task announced, not sent (exo_tasks.task_results), from
+        this process as its sent tasks' name it."""
+        cast(NamedSenderAMQP, self.amqp)._event_dispatcher.publish("task-sent", fields, producer)
+
     def prepare_forks(self) -> None:
         """Before this process forks the children that each take a store of their own
         (`renew_store`): one store made here and never used here, for every child to take.

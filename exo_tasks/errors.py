@@ -123,7 +123,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 REDIS_RETRY_AFTER_S = 2
 
 
-def _unreachable(exc: BaseException | None) -> bool:
+def redis_unreachable(exc: BaseException | None) -> bool:
     """Redis did not answer (or has no master yet): redis-py's error, also as the cause of
     kombu's OperationalError (a message that could not be sent)."""
     # Here, not at the top: the launcher and `exo-tasks redis` raise our errors without redis-py.
@@ -220,7 +220,7 @@ def _unexpected(exc: Exception, openai: bool) -> Rendered:
             "(EXO_REDIS_MAXMEMORY_MB, EXO_JOB_TTL_S)"
         )
         return (*error_body(full.status, full.type, full.message, openai=openai), {})
-    if _unreachable(exc):
+    if redis_unreachable(exc):
         log.error("redis unreachable: %s", exc)
         message = "the broker (Redis) is unreachable; retry soon"
         retry = {"Retry-After": str(REDIS_RETRY_AFTER_S)}

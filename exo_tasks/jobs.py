@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,8 @@ from redis import RedisError
 
 from config.celery import PRIORITY_LEVELS
 from config.settings import Settings
-from exo_tasks import direct, lifecycle, limits, metrics, prefix_routing
-from exo_tasks.celery_app import INFERENCE_TASK
+from exo_tasks import direct, lifecycle, limits, metrics, prefix_routing, task_results
+from exo_tasks.celery_app import INFERENCE_TASK, ExoCelery
 from exo_tasks.commands import CancelJob
 from exo_tasks.direct import DirectRunner
 from exo_tasks.errors import ClientQuotaFull, Conflict, NotFound, QueueFull
@@ -162,6 +163,7 @@ def submit(
     where: Route | None = None,
     *,
     client: Client,
+    later: Callable[[str, int], None] | None = None,
 ) -> JobRecord:
     """Record the job, then send its task: a job the API accepted is never unknown. A pinned
     job goes to its host's own queue, which only that host's worker consumes. Once
@@ -170,14 +172,17 @@ def submit(
     waits at the step of its priority class its client's waiting jobs give it (fairness.py).
     `job_id`: one chosen beforehand (new_job_id), already given to the client; `where`: its
     route, if already found; `client`: who sent it (exo_tasks.fairness). A job its route gives
-    a runner with room is handed to it before its message is sent (exo_tasks.direct)."""
+    a runner with room is handed to it before its message is sent (exo_tasks.direct); `later`
+    (the API's), given the job id and its priority step, has send_direct_task run once a short
+    job's task is due (direct.task_due): without it, the task is sent at once."""
     where = where or route(Fleet.load(store), settings, request, store)
     job = JobRecord(
         id=job_id or new_job_id(), model=where.model, request=request, instance=where.instance
     )
     quota = settings.max_queued_jobs_per_client
     creation = store.jobs.creation(job, where.queue, settings.max_queued_jobs, client.key, quota)
-    handing = direct.handing(store, settings, job, where.direct) if where.direct else None
+    task_due = direct.task_due(settings, request) if later is not None else 0
+    handing = direct.handing(store, settings, job, where.direct, task_due) if where.direct else None
     admitted, handed = store.create(creation, handing)
     # Counted as the job was created: these hold.
     refuse_if_full(where.queue, admitted.depth, settings)
@@ -188,8 +193,31 @@ def submit(
         # Its runner filled up since the fleet was read: the job waits in Celery's queue.
         queue = queue_of(job)
         store.jobs.set_queue(job.id, queue)
-    send(celery, settings, job, queue, admitted.step)
+    if handed and later is not None and task_due:
+        later(job.id, admitted.step)
+    else:
+        send(celery, settings, job, queue, admitted.step)
     return job
+
+
+def send_direct_task(
+    store: Store, celery: ExoCelery, settings: Settings, job_id: str, step: int | None = None
+) -> bool:
+    """The task of a job handed over directly, once due, if nobody took it first
+    (Store.direct_tasks): a job that has succeeded meanwhile has its task stored SUCCESS and
+    announced (exo_tasks.task_results), with no message: most short jobs, which so cost no
+    Celery round trip. Any other job's message is sent to its queue as it would have been at
+    once: its task follows the job, or finds it ended and ends as it did. False if another
+    took it first, or the job is gone."""
+    claimed, job, queue = store.direct_tasks.claim(job_id)
+    if not claimed or job is None:
+        return False
+    queue = queue or queue_of(job)
+    if job.status == JobStatus.SUCCEEDED:
+        task_results.announce_succeeded(celery, job, queue)
+    else:
+        send(celery, settings, job, queue, step)
+    return True
 
 
 def queue_of(job: JobRecord) -> str:

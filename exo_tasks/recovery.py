@@ -16,6 +16,9 @@ here, from what the system knows of who is alive, never from the broker's visibi
   marked `Failed`; and the runner of every running job is asked whether it still holds it (a
   Redis failover can lose a job's ending: the job is back to `running` under a live worker
   that no longer runs it), and requeues it if not.
+- The task of a short job handed over directly is sent by its API process once due
+  (exo_tasks.direct); one that process did not live to send is sent by the sweep, LOST_GRACE_S
+  after it was due.
 - A worker that starts requeues what its previous incarnation on the same host held, at once.
 - After Redis was unreachable, no sweep judges anyone for HEARTBEAT_TTL_S: an outage longer
   than that expired every heartbeat, and the hosts alive all along need a beat to say so.
@@ -143,13 +146,15 @@ class Presence:
 
 
 class Recovery:
-    """The recovery loop (see the module's docstring). `resend` sends a job's message again."""
+    """The recovery loop (see the module's docstring). `resend` sends a job's message again;
+    `send_direct_task` the task of a job handed over directly (jobs.send_direct_task)."""
 
     def __init__(
         self,
         store: Store,
         broker: Broker,
         resend: Callable[[JobRecord], None],
+        send_direct_task: Callable[[str], bool],
         *,
         host: str,
         incarnation: str,
@@ -158,6 +163,7 @@ class Recovery:
         self.store = store
         self.broker = broker
         self.resend = resend
+        self.send_direct_task = send_direct_task
         self.host = host
         self.incarnation = incarnation
         self.stuck_after_s = stuck_after_s
@@ -212,6 +218,7 @@ class Recovery:
         # Not judged from heartbeats (the runners decide): asked even right after an outage,
         # when a failover may have lost the endings.
         self._ask_runners(active, messages, now)
+        self._send_overdue_direct_tasks(now)
 
     def _judge(self, active: list[JobWhereabouts], messages: Messages, now: float) -> None:
         """What heartbeats decide: who is gone, and what their work becomes."""
@@ -226,6 +233,13 @@ class Recovery:
         self._resend_lost(active, messages, now)
         self._reroute_from_gone_hosts(active, {h.name for h in hosts})
         self._fail_runners_of_gone_hosts({h.name for h in hosts}, runners)
+
+    def _send_overdue_direct_tasks(self, now: float) -> None:
+        """The tasks of jobs handed over directly that their API process did not send
+        LOST_GRACE_S after they were due: it stopped or died in between."""
+        for job_id in self.store.direct_tasks.due_before(now - LOST_GRACE_S):
+            if self.send_direct_task(job_id):  # not if its API process took it meanwhile
+                log.warning("direct job's task sent for its API process", extra={"job_id": job_id})
 
     def _ask_runners(self, active: list[JobWhereabouts], messages: Messages, now: float) -> None:
         """Ask the runner of every running job whether it still holds it. A Redis master that

@@ -221,7 +221,8 @@ def test_a_cancelled_or_timed_out_request_returns_its_text_as_length(
         "the job to run",
     )
     wait_tokens(stack, running["id"])
-    assert cancel(stack, running["id"]).status_code == 202
+    cancelled = cancel(stack, running["id"])
+    assert cancelled.status_code == 202, cancelled.text
     waiter.join(timeout=3)
     (answer,) = answers
     assert job_of(stack.api, answer.id)["status"] == "cancelled"

@@ -22,9 +22,10 @@ from exo_tasks.broker import queue_lists
 from exo_tasks.celery_app import ExoCelery
 from exo_tasks.commands import SubmitJob
 from exo_tasks.fairness import client_of
+from exo_tasks.fleet import Fleet
 from exo_tasks.naming import host_queue, model_queue
-from exo_tasks.recovery import HEARTBEAT_TTL_S
-from exo_tasks.store.keys import job_key, runner_key
+from exo_tasks.recovery import HEARTBEAT_TTL_S, LOST_GRACE_S, SWEEP_INTERVAL_S
+from exo_tasks.store.keys import DIRECT_TASKS_DUE, job_key, runner_key
 from exo_tasks.store.runners import Room
 from exo_tasks.types import JobRecord, JobRequest, JobStatus
 from tests.support.api import api_settings
@@ -61,30 +62,41 @@ def waiting_in(stack: Stack, job_id: str, queue: str) -> bool:
 def test_jobs_run_before_their_tasks_are_delivered_and_their_tasks_then_follow_them(
     stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
-    """The worker's main process frozen: it takes no message. A short job ends meanwhile, a
-    long one streams; once the worker thaws, the long job's task follows it to its end, and
-    both tasks end SUCCESS with their jobs' results."""
+    """The worker's main process frozen: it takes no message. A short job (16 tokens) ends
+    meanwhile: its task is SUCCESS all the same, announced with no message (it succeeded before
+    its task was due, EXO_DIRECT_TASK_DELAY_MS). A long one streams: its message waits (sent at
+    once); once the worker thaws, its task follows it to its end and ends SUCCESS."""
     host = "dh-stopped"
     worker = new_worker(stack, processes, tiny_model, tmp_path, host)
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        short = stack.api.submit(prompt="direct", max_tokens=24, ignore_eos=True, host=host)
+        short = stack.api.submit(prompt="direct", max_tokens=16, ignore_eos=True, host=host)
         job = stack.api.wait_job(short, timeout_s=HEARTBEAT_TTL_S / 2)
         assert job["status"] == "succeeded" and job["direct"] is True, job
-        assert job["usage"]["completion_tokens"] == 24 and job["runner_id"] == f"tiny@{host}"
+        assert job["usage"]["completion_tokens"] == 16 and job["runner_id"] == f"tiny@{host}"
+        meta = wait_until(functools.partial(task_succeeded, stack, short), 5, "its task")
+        assert meta["result"] == {
+            "job_id": short,
+            "status": "succeeded",
+            "finish_reason": "length",
+            "tokens": 16,
+            "runner": f"tiny@{host}",
+        }
         long = stack.api.submit(**MEDIUM, host=host)
         wait_tokens(stack, long)
-        # No task has run for either (each message is in the frozen worker's socket, if Redis
-        # answered its waiting BRPOP, or still in its host's queue).
-        assert task_meta(stack, short) is None and task_meta(stack, long) is None
+        # The long job's task has not run (its message is in the frozen worker's socket, if
+        # Redis answered its waiting BRPOP, or still in its host's queue).
+        assert task_meta(stack, long) is None
     finally:
         os.kill(worker.pid, signal.SIGCONT)
     followed = f"job_id={long} runner=tiny@{host} direct=True"
     wait_until(lambda: followed in worker.log_text(), 10, "the long job's task to follow it")
     assert stack.api.wait_job(long)["status"] == "succeeded"
-    for job_id in (short, long):
-        meta = wait_until(functools.partial(task_succeeded, stack, job_id), 10, "its task")
-        assert meta["result"]["status"] == "succeeded" and meta["result"]["job_id"] == job_id
+    meta = wait_until(functools.partial(task_succeeded, stack, long), 10, "its task")
+    assert meta["result"]["status"] == "succeeded" and meta["result"]["job_id"] == long
+    # The short job's task was never sent: the worker received the long job's alone.
+    assert f"exo.inference[{long}] received" in worker.log_text()
+    assert f"exo.inference[{short}] received" not in worker.log_text()
 
 
 def test_a_worker_killed_before_its_directly_handed_job_is_delivered_loses_nothing(
@@ -178,3 +190,51 @@ def test_a_runner_that_filled_up_meanwhile_leaves_the_job_to_celerys_queue(
         stack.store.redis.delete(held, beside, inbox, *queues)
         for job in submitted:
             jobs.cancel(stack.store, job.id, jobs.CancelledBy.API, celery=None)
+
+
+def test_the_tasks_of_an_api_process_that_died_before_they_were_due_are_sent_by_the_recovery_loop(
+    stack: Stack, processes: Processes, tiny_model: Path, tmp_path: Path, celery: ExoCelery
+) -> None:
+    """An API process hands short jobs over, then dies before their tasks are due (its `later`
+    never runs): the recovery loop sends them, LOST_GRACE_S after they were due. A job that
+    succeeded has its task announced SUCCESS, with no message; any other has its message
+    sent, and its task ends as its job did (here FAILURE: the runner refused its prompt)."""
+    host = "dh-orphans"
+    worker = new_worker(stack, processes, tiny_model, tmp_path, host)
+    settings = celery.settings
+    client = client_of(host, None, None)
+
+    def hand_over(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "host": host}
+        request = JobRequest.model_validate(body)
+        where = jobs.route(Fleet.load(stack.store), settings, request, stack.store)
+        job = jobs.submit(
+            stack.store, celery, settings, request, where=where, client=client, later=dies
+        )
+        record = stack.store.jobs.get(job.id)
+        assert record is not None and record.direct, record
+        return job.id
+
+    def dies(job_id: str, step: int) -> None:
+        """The API process's own sending of the task, which it never lived to do."""
+
+    succeeded = hand_over("orphan")
+    # One token per character with the tiny model: over EXO_MAX_PROMPT_TOKENS (8192), which
+    # only the runner counts.
+    failed = hand_over("a" * 9000)
+    assert stack.api.wait_job(succeeded)["status"] == "succeeded"
+    assert stack.api.wait_job(failed)["status"] == "failed"
+    assert task_meta(stack, succeeded) is None  # not yet: it was the API's to send
+    bound_s = settings.direct_task_delay_ms / 1000 + LOST_GRACE_S + 2 * SWEEP_INTERVAL_S + 5
+    meta = wait_until(
+        functools.partial(task_succeeded, stack, succeeded), bound_s, "its task announced"
+    )
+    assert meta["result"]["job_id"] == succeeded and meta["result"]["tokens"] == 4
+    meta = wait_until(
+        lambda: (m := task_meta(stack, failed)) and m["status"] == "FAILURE" and m, 10, "its task"
+    )
+    assert "job failed" in meta["result"]["exc_message"][0]
+    log = worker.log_text()
+    assert f"exo.inference[{failed}] received" in log
+    assert f"exo.inference[{succeeded}] received" not in log
+    assert not {succeeded, failed} & set(stack.store.redis.zrange(DIRECT_TASKS_DUE, 0, -1))

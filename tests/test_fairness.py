@@ -15,10 +15,13 @@ from tests.support.processes import wait_until
 from tests.support.stack import Stack
 
 QUOTA: int = Settings.model_fields["max_queued_jobs_per_client"].default  # the user's default
-BACKLOG = 400
-# Long enough that one turn of the running jobs takes about a second: behind A's backlog first
-# in, first out, B would wait for (backlog - running) / running turns, some 25 of them here.
-A_JOB = {"prompt": "a", "max_tokens": 200, "ignore_eos": True, "user": "client-a"}
+# Past the quota even while the runner takes a batch of A's jobs each turn: on a loaded machine
+# (CI) 400 jobs of 200 tokens were sent so slowly that the runner kept A's waiting jobs below
+# the quota, and none was refused.
+BACKLOG = 2 * QUOTA + 100
+# Long enough that one turn of the running jobs takes seconds: behind A's backlog first in,
+# first out, B would wait for (admitted - running) / running turns, several of them.
+A_JOB = {"prompt": "a", "max_tokens": 600, "ignore_eos": True, "user": "client-a"}
 # A free pool slot's next message reaches it through Celery (~10 ms on a quiet machine); this
 # allows for a machine shared with other test suites.
 HANDOFF_S = 1.0

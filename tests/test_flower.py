@@ -9,6 +9,7 @@ import ast
 import functools
 import re
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -222,16 +223,28 @@ def waiting(stack: Stack, flower: Flower, host: str = "fleet-x") -> tuple[int, i
     return ours, flowers
 
 
+def not_ended_before(stack: Stack, job_id: str, moment: float) -> bool:
+    """Whether the job was still queued or running at `moment` (a Unix time): it is now, or it
+    ended after. A loaded machine may end a long job during a test's next steps; when it ended
+    still says what it held until then."""
+    job = stack.api.get(f"/v1/jobs/{job_id}").json()
+    if job["status"] in ("queued", "running"):
+        return True
+    return datetime.fromisoformat(job["finished_at"]).timestamp() > moment
+
+
 def test_a_job_cancelled_while_queued_is_revoked_at_once_and_waits_in_no_queue(
     stack: Stack, flower: Flower
 ) -> None:
-    # fleet-x has one pool child: jobs pinned there wait behind the busy one, in its queue.
+    # fleet-x has one pool child: jobs pinned there wait in its queue behind the busy one, and
+    # behind `next_up`, which the child takes first (the queue is first in, first out).
     busy = stack.api.submit(**LONG, host="fleet-x", model="alpha")
     wait_tokens(stack, busy)
+    next_up = stack.api.submit(**LONG, host="fleet-x", model="alpha")
     pinned = {"prompt": "never", "max_tokens": 8, "host": "fleet-x", "model": "alpha"}
     try:
         by_flower, by_api = stack.api.submit(**pinned), stack.api.submit(**pinned)
-        assert waiting(stack, flower) == (2, 2)
+        assert waiting(stack, flower) == (3, 3)
 
         flower.revoke(by_flower)
         assert stack.api.post(f"/v1/jobs/{by_api}/cancel").status_code == 202
@@ -245,15 +258,19 @@ def test_a_job_cancelled_while_queued_is_revoked_at_once_and_waits_in_no_queue(
             job = stack.api.get(f"/v1/jobs/{job_id}").json()
             assert job["status"] == "cancelled" and job["started_at"] is None
             assert job["runner_id"] is None and job["output"]["text"] == ""
-        # Their messages are gone from the queue, counted as waiting by no one, and no worker
-        # took them: fleet-x's one pool child still runs the busy job.
-        assert waiting(stack, flower) == (0, 0)
-        assert stack.api.get(f"/v1/jobs/{busy}").json()["status"] == "running"
+        # Their messages are gone from the queue, counted as waiting by no one (next_up's alone
+        # may be), and no worker took them: the pool child had not yet ended next_up (two long
+        # jobs, 16 s quiet) when the queue was read.
+        read_at = time.time()
+        assert max(waiting(stack, flower)) <= 1
+        assert not_ended_before(stack, next_up, read_at)
     finally:
-        flower.revoke(busy, terminate="true")
-    assert stack.api.wait_job(busy, timeout_s=3)["status"] == "cancelled"
-    flower.wait_state(busy, "REVOKED")
-    assert str(result_of(stack, busy).state) == "REVOKED"
+        for job_id in (next_up, busy):
+            flower.revoke(job_id, terminate="true")
+    for job_id in (busy, next_up):
+        # Revoked, or on a loaded machine ended first: either way its task follows.
+        ended = stack.api.wait_job(job_id, timeout_s=3)["status"]
+        flower.wait_state(job_id, {"cancelled": "REVOKED", "succeeded": "SUCCESS"}[ended])
 
 
 def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(
@@ -297,10 +314,16 @@ def test_flower_shows_each_hosts_runners_and_instances_on_its_worker_page(
 def test_flowers_shut_down_is_our_warm_shutdown(
     stack: Stack, flower: Flower, processes: Processes, tiny_model: Path, tmp_path: Path
 ) -> None:
-    host, node = "fl-down", "exo@fl-down"
+    host, node, drain_s = "fl-down", "exo@fl-down", 2
     inspect = {"workername": node, "refresh": "1"}  # 404 until Flower has inspected it
     worker = new_worker(
-        stack, processes, tiny_model, tmp_path, host, worker_concurrency=2, worker_soft_shutdown_s=2
+        stack,
+        processes,
+        tiny_model,
+        tmp_path,
+        host,
+        worker_concurrency=2,
+        worker_soft_shutdown_s=drain_s,
     )
     wait_until(
         lambda: flower.get("/api/workers", params=inspect, auth=AUTH).status_code == 200,
@@ -317,18 +340,21 @@ def test_flowers_shut_down_is_our_warm_shutdown(
     started = time.monotonic()
     response = requests.post(f"{flower.url}/api/worker/shutdown/{node}", auth=AUTH, timeout=10)
     assert response.status_code == 200, response.text
-    # Out of /v1/hosts (and so of routing and /readyz) at once, while its jobs drain.
+    # Out of /v1/hosts (and so of routing and /readyz) as the stop begins, while its jobs
+    # drain: within the drain window, the long job still running (quiet, 0.01-0.2 s; over 1 s
+    # once on a loaded CI machine). Celery's own shutdown kept it listed to the end.
     wait_until(
         lambda: host not in {h["name"] for h in stack.api.get("/v1/hosts").json()},
-        1.0,
+        drain_s,
         "the host to leave /v1/hosts",
         interval_s=0.1,
     )
+    print(f"host left /v1/hosts {time.monotonic() - started:.2f}s after the POST began")
     assert stack.api.get(f"/v1/jobs/{long_id}").json()["status"] == "running"
     worker.process.wait(timeout=15)
     # The drain window, then the runner's quick stop: not the long job's end (Celery's own
     # shutdown waited for every running job, up to its time limit).
-    assert time.monotonic() - started < 2 + 5
+    assert time.monotonic() - started < drain_s + 5
     assert stack.api.get(f"/v1/jobs/{short_id}").json()["status"] == "succeeded"
     long = stack.api.get(f"/v1/jobs/{long_id}").json()
     assert long["status"] == "queued" and long["attempts"] == 1  # requeued, not lost

@@ -171,7 +171,8 @@ def _measure_replication(master: Any, replica: Any, replica_process: psutil.Proc
     wait_until(lambda: not master.role()[2], 5, "the master to drop its replica")
     started = time.perf_counter()
     assert not replicated(master, 500) and master.set("alone", "1")
-    assert time.perf_counter() - started < 0.1
+    # At once, not after the 500 ms wait: two round trips (0.12 s seen in a loaded suite).
+    assert time.perf_counter() - started < 0.25
 
 
 # Long enough to run through the kill: the `tiny` model decodes 8 jobs of 300 tokens in the

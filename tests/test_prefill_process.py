@@ -157,7 +157,9 @@ def test_while_the_process_computes_one_lane_fewer_steps_at_once(
         while min(len(d) for d in driven.deltas.values()) < 3:
             step_once()
         assert engine.lane_jobs == [4, 4]
-        driven.add("long", LONG_PROMPT, max_tokens=8)
+        # Three times the long prompt (~2,400 tokens): the steps while it computes are the ones
+        # this test looks at, and ~800 tokens gave only two of them on a loaded machine.
+        driven.add("long", LONG_PROMPT * 3, max_tokens=8)
         while not driven.deltas["long"]:
             step_once()
         by_step: dict[int, list[tuple[float, float]]] = {}

@@ -298,6 +298,7 @@ def test_a_message_started_but_stuck_in_a_live_workers_pool_goes_back_to_its_que
         stack.store,
         Broker(stack.store.redis, context.celery.connection_for_write),
         lambda job: None,
+        lambda job_id: False,
         host="stuck-host",
         incarnation="stuck-host:1:1",
         stuck_after_s=60,

@@ -115,6 +115,7 @@ def recovery(
         host.store,
         watched or Broker(host.store.redis, celery.connection_for_write),
         lambda job: None,
+        lambda job_id: False,
         host=host.name,
         incarnation=incarnation,
         stuck_after_s=60,

@@ -13,6 +13,7 @@ from exo_tasks import broker, fairness, lifecycle
 from exo_tasks.commands import SubmitJob
 from exo_tasks.metrics import Observations
 from exo_tasks.store import Store
+from exo_tasks.store.keys import RECENT_JOBS
 from exo_tasks.types import JobRecord, JobRequest, JobStatus, TokenEvent, utcnow
 from tests.support.processes import Processes, start_redis
 
@@ -206,3 +207,38 @@ def test_foreign_entries_in_a_queue_do_not_hide_celery_messages(store: Store) ->
     queue = f"exo.model.junk-{uuid.uuid4().hex[:6]}"
     store.redis.lpush(queue, "not json", '{"headers": {"id": "task-1"}}', "[1, 2]")
     assert broker.read_messages(store.redis, [queue]).queued_task_ids == {"task-1"}
+
+
+def test_queued_or_running_jobs_are_listed_from_the_active_ones_newest_first(
+    processes: Processes, tmp_path: Path
+) -> None:
+    # A Redis of its own: the commands it serves are counted.
+    store = Store.from_url(start_redis(processes, tmp_path / "redis").url)
+    ended = [new_job() for _ in range(300)]
+    for job in ended:
+        store.jobs.create(job, "exo.model.m", max_queued=1_000)
+        assert store.jobs.apply(lifecycle.cancel_queued(job))
+    runs = [new_job() for _ in range(3)]
+    for job in runs:
+        time.sleep(0.002)  # distinct creation times: the index's order
+        store.jobs.create(job, "exo.model.m", max_queued=1_000)
+        assert store.runners.hand_over("m@w", running(job, "m@w"))
+    waiting, dropped = new_job(), new_job()
+    store.jobs.create(waiting, "exo.model.m", max_queued=1_000)
+    # Running still, but past the recent index (RECENT_JOBS_KEPT newer jobs): not listed.
+    store.jobs.create(dropped, "exo.model.m", max_queued=1_000)
+    assert store.runners.hand_over("m@w", running(dropped, "m@w"))
+    store.redis.zrem(RECENT_JOBS, dropped.id)
+
+    store.redis.config_resetstat()
+    newest = store.jobs.recent(status="running", limit=2)
+    rest = store.jobs.recent(status="running", limit=2, before=runs[1].id)
+    queued = store.jobs.recent(status="queued")
+    assert newest is not None and rest is not None and queued is not None
+    assert [j.id for j in newest] == [runs[2].id, runs[1].id]
+    assert [j.id for j in rest] == [runs[0].id]
+    assert [j.id for j in queued] == [waiting.id]
+    # Only the 4 active jobs' records were read (each listing at most), not the 300 ended ones.
+    assert store.redis.info("commandstats")["cmdstat_hget"]["calls"] <= 4 * 3
+    cancelled = store.jobs.recent(status="cancelled", limit=1_000)
+    assert cancelled is not None and {j.id for j in cancelled} == {j.id for j in ended}

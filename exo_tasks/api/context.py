@@ -12,7 +12,8 @@ from flask import Response, after_this_request, current_app, has_request_context
 
 from config.settings import Settings
 from exo_tasks import jobs, replication
-from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals
+from exo_tasks.api.arrivals import MAX_WAIT_S, Arrivals, Passage
+from exo_tasks.api.direct_tasks import DirectTaskSender
 from exo_tasks.api.prompt_door import PromptDoor
 from exo_tasks.api.streams import EventHub, StreamCap
 from exo_tasks.celery_app import ExoCelery
@@ -55,6 +56,11 @@ class ApiContext:
         self.replica_wait_ms = replication.wait_ms(settings)
         self._past_the_door = threading.BoundedSemaphore(SENDERS)
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="exo-submit")
+        self.direct_task_sender = DirectTaskSender(
+            settings.direct_task_delay_ms / 1000,
+            functools.partial(jobs.send_direct_task, self.store, celery, settings),
+            self._senders,
+        )
 
     def refuse_if_storage_low(self, memory: tuple[int, int] | None = None) -> None:
         """503 (storage_full) for a client's new job, file or batch once Redis holds its
@@ -86,30 +92,38 @@ class ApiContext:
         where: jobs.Route | None = None,
         *,
         client: Client,
-        after_arrivals: bool = False,
+        arrival: Passage | None = None,
     ) -> JobRecord:
         """jobs.submit, routed by the shared reads, on one of SENDERS long-lived threads
         (greenlets under gevent). Celery keeps a result backend, with a Redis connection of its
         own, per thread: submitted from each request's own greenlet, every job cost a
         connection that stayed open.
 
-        `after_arrivals` (a stream's job, after its first byte): sent once the host's arrivals
-        are in (arrivals.py). Such jobs pass the door SENDERS at a time, each looking again
-        just before it is sent, so a burst that resumes holds back the ones not yet sent; and
-        they never hold a sender while they wait, so other submissions do not. `client`: who
-        sent it (auth.client), for its quota and its place in the queue."""
+        `arrival` (a stream's job, after its first byte: its request's way in): sent once the
+        host's arrivals are in, or at once if its request came alone (arrivals.py). Such jobs
+        pass the door SENDERS at a time, each looking again just before it is sent, so a burst
+        that resumes holds back the ones not yet sent; and they never hold a sender while they
+        wait, so other submissions do not. `client`: who sent it (auth.client), for its quota
+        and its place in the queue."""
         where = where or jobs.route(self.reads.fleet(), self.settings, job_request, self.store)
-        if not after_arrivals:
+        if arrival is None:
             return self._send(job_request, job_id, where, client)
         deadline = time.monotonic() + MAX_WAIT_S
         with self._past_the_door:
-            self.arrivals.wait_until_quiet(deadline - time.monotonic())
+            self.arrivals.wait_until_quiet(deadline - time.monotonic(), arrival)
             return self._send(job_request, job_id, where, client)
 
     def _send(
         self, job_request: JobRequest, job_id: str | None, where: jobs.Route, client: Client
     ) -> JobRecord:
-        send = functools.partial(jobs.submit, self.store, self.celery, self.settings, client=client)
+        send = functools.partial(
+            jobs.submit,
+            self.store,
+            self.celery,
+            self.settings,
+            client=client,
+            later=self.direct_task_sender.add,
+        )
         job = self._senders.submit(send, job_request, job_id, where).result()
         self.replicate("a job", job_id=job.id)
         return job

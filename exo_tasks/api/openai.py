@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from exo_tasks import jobs, limits
 from exo_tasks.api import auth, errors, streams
+from exo_tasks.api.arrivals import Passage
 from exo_tasks.api.context import ApiContext, ctx
 from exo_tasks.api.http import KEEPALIVE, json_body, sse_response
 from exo_tasks.errors import ExoError, NotFound, Unavailable, openai_error_body, render
@@ -63,14 +64,14 @@ def completions() -> Response:
 def _complete(kind: type[OpenAIRequest], renderer: Renderer) -> Response:
     context = ctx()
     # Arriving until its answer is ready: a stream's first byte is written as this returns.
-    with context.arrivals.arriving():
+    with context.arrivals.arriving() as arrival:
         body = kind.model_validate(
             json_body(), context={"max_tokens_cap": context.settings.max_tokens}
         )
         job_request = jobs.parse_request(context.settings, body.job_fields())
         where = context.admit(job_request)
         if body.stream:
-            return _open_stream(context, renderer, job_request, where, body.include_usage)
+            return _open_stream(context, renderer, job_request, where, body.include_usage, arrival)
     job = context.submit(job_request, where=where, client=auth.client(job_request.user))
     response = jsonify(renderer.whole(_wait(context, job)).model_dump(mode="json"))
     response.headers["X-Exo-Job-Id"] = job.id  # for GET /v1/jobs/<id>, its stream, or a cancel
@@ -83,6 +84,7 @@ def _open_stream(
     job_request: JobRequest,
     where: jobs.Route,
     include_usage: bool,
+    arrival: Passage,
 ) -> Response:
     """A streamed answer whose job is submitted after its first byte (see _stream), to
     `where`. Errors keep their statuses before the first byte, a full queue's or a client's
@@ -92,10 +94,17 @@ def _open_stream(
     client = auth.client(job_request.user)
     jobs.refuse_over_quota(client, context.store.jobs.client_waiting(client.key), context.settings)
     release = context.streams.acquire()  # before the job exists: a 503 leaves nothing behind
+    closed = context.arrivals.stream_opened()
     overflow = streams.close_connection(request.environ)
     plan = _Stream(context, renderer, overflow, include_usage, client)
     job_id = jobs.new_job_id()
-    response = sse_response(_stream(plan, job_request, job_id, where), on_close=release)
+    stream = _stream(plan, job_request, job_id, where, arrival)
+
+    def on_close() -> None:
+        closed()
+        release()
+
+    response = sse_response(stream, on_close=on_close)
     response.headers["X-Exo-Job-Id"] = job_id
     return response
 
@@ -142,18 +151,16 @@ class _Stream:
 
 
 def _stream(
-    plan: _Stream, job_request: JobRequest, job_id: str, where: jobs.Route
+    plan: _Stream, job_request: JobRequest, job_id: str, where: jobs.Route, arrival: Passage
 ) -> Iterator[str]:
     """The first byte at once, then the job submitted (already routed), then its chunks.
     Thousands of clients arriving together each get their first byte within moments, and
-    their jobs are submitted once the burst is in (arrivals.py); a submission refused after
-    all (the queue filled meanwhile, Redis went down) ends the stream with the error, in
-    OpenAI's shape."""
+    their jobs are submitted once the burst is in, a lone request's at once (arrivals.py,
+    `arrival`: its request's way in); a submission refused after all (the queue filled
+    meanwhile, Redis went down) ends the stream with the error, in OpenAI's shape."""
     yield KEEPALIVE
     try:
-        job = plan.context.submit(
-            job_request, job_id, where, client=plan.client, after_arrivals=True
-        )
+        job = plan.context.submit(job_request, job_id, where, client=plan.client, arrival=arrival)
     except Exception as exc:  # noqa: BLE001 (the error funnel decides, and logs the unexpected)
         yield _data(json.loads(errors.handle(exc).get_data()))
         yield DONE

@@ -1,8 +1,9 @@
 """What a runner owes Redis: its jobs' tokens and endings, the metrics observed with them, and
 its own published state. Kept here while Redis is down and delivered in order once it is back,
 so the jobs' streams stay complete. Each step's writes travel on a thread of their own
-(`exo_tasks.runner.step_writer`); every other write waits for them (`drain`), so that it
-follows the steps before it. A wait for Redis is not silence for the stall watchdog (`waiting`):
+(`exo_tasks.runner.step_writer`), and the runner's state when its jobs came or went goes in
+the same write, after them; every other write waits for them (`drain`), so that it follows
+the steps before it. A wait for Redis is not silence for the stall watchdog (`waiting`):
 a slow or paused Redis must not fail a runner's jobs as hung.
 """
 
@@ -21,7 +22,9 @@ import redis
 from exo_tasks import lifecycle, metrics
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.runner.step_writer import Step, StepWriter, StepWrites
+from exo_tasks.store.client import PipelineWrite
 from exo_tasks.store.hosts import PrefixHint
+from exo_tasks.store.runners import StateWrite
 from exo_tasks.types import JobRecord, TokenEvent, utcnow
 
 log = logging.getLogger("exo_tasks.runner")
@@ -87,23 +90,32 @@ class Outbox:
 
     def publish(self, status: RunnerStatus | None = None, error: str | None = None) -> None:
         """Publish the runner's state, moved to `status` if given (exo_tasks.lifecycle's table
-        refuses a move it does not have: nothing is published then)."""
-        changed = status is not None and status != self.state.status
-        update: dict[str, Any] = {"updated_at": utcnow(), **self.occupancy()._asdict()}
-        if status is None:
-            self.amend(**update)
-        else:
-            moved = lifecycle.move_runner(self.state, status, error=error, **update)
-            if moved is None:
-                return
-            self.state = moved
+        refuses a move it does not have: nothing is published then), once the steps before it
+        are in Redis."""
+        changed = self._move(status, error)
+        if changed is None:
+            return
         try:
             self._deliver(self.state, status_changed=changed)
             self.state_unpublished = False
         except (redis.ConnectionError, redis.TimeoutError):
             self.state_unpublished = True  # published again once Redis is back
+
+    def _move(self, status: RunnerStatus | None, error: str | None = None) -> bool | None:
+        """Move the state to `status` (None: as it is), with its jobs and the time now; whether
+        its status changed (logged). None: the table refuses the move, and the state stays."""
+        update: dict[str, Any] = {"updated_at": utcnow(), **self.occupancy()._asdict()}
+        if status is None:
+            self.amend(**update)
+            return False
+        moved = lifecycle.move_runner(self.state, status, error=error, **update)
+        if moved is None:
+            return None
+        changed = moved.status != self.state.status
+        self.state = moved
         if changed:
-            log.info("runner status %s", self.state.status, extra={"runner_status": status})
+            log.info("runner status %s", status, extra={"runner_status": status})
+        return changed
 
     def restate(self) -> None:
         """Publish the runner's state as it is, over what another process wrote of it (a
@@ -126,34 +138,36 @@ class Outbox:
                 self.store.runners.publish(state, status_changed=status_changed)
 
     def jobs_changed(self) -> None:
-        """Publish Running/Ready and active_jobs with the next tokens or endings, after them (the
-        client waiting on them does not wait for this write too), or after STATE_DELAY_S."""
+        """Publish Running/Ready and active_jobs with the next tokens or endings, after them in
+        their write (the client waiting on them does not wait for a write of its own), or after
+        STATE_DELAY_S."""
         if self.state_due is None:
             self.state_due = time.monotonic() + STATE_DELAY_S
 
     def flush(self, *, stopping: bool) -> None:
-        """Send the tokens and job endings not yet in Redis, with the metrics observed since the
-        last flush (on the writer's thread; raises what its last write raised, after trying it
-        again); then the runner's state if jobs came or went. `stopping`: the stop's status
-        stands, whatever the jobs."""
-        wrote = self._put()
+        """Hand the tokens and job endings not yet in Redis, with the metrics observed since the
+        last flush, to the writer's thread, and after them the runner's state if jobs came or
+        went; raises what the last write raised, after trying it again. The loop waits for
+        neither. `stopping`: the stop's status stands, whatever the jobs."""
+        owed = bool(self.tokens or self.endings)
+        due = self.state_due is not None and (owed or time.monotonic() >= self.state_due)
+        self._put(self._jobs_state(stopping) if due or self.state_unpublished else None)
         with self.waiting():  # at once, unless the last write failed
             self.writer.check()
-        due = self.state_due is not None and (wrote or time.monotonic() >= self.state_due)
-        if due or self.state_unpublished:
-            self._publish_jobs(stopping)
 
-    def _put(self) -> bool:
+    def _put(self, state: StateWrite | None = None) -> None:
         """Hand the tokens and endings not yet sent, with the metrics observed since the last
-        ones, to the writer's thread. False if there were none."""
-        if not (self.tokens or self.endings):
-            return False
-        self.writer.put(Step(self.tokens, self.observations, self.endings, self.hints))
+        ones, then `state`, to the writer's thread (nothing if there is none of them)."""
+        if not (self.tokens or self.endings or state):
+            return
+        after: list[PipelineWrite] = [state] if state is not None else []
+        self.writer.put(Step(self.tokens, self.observations, self.endings, self.hints, after))
         self.tokens, self.endings, self.hints = [], [], []
         self.observations = metrics.Observations()
-        return True
 
-    def _publish_jobs(self, stopping: bool) -> None:
+    def _jobs_state(self, stopping: bool) -> StateWrite | None:
+        """The runner's state as its jobs leave it: Running or Ready (a stop's status stands),
+        and how many; None if the store shows it so already."""
         self.state_due = None
         occupancy = self.occupancy()
         status = self.state.status
@@ -165,5 +179,10 @@ class Outbox:
             self.state.largest_batch,
             self.state.prompt_cache_bytes,
         )
-        if not unchanged or self.state_unpublished:
-            self.publish(status)
+        if unchanged and not self.state_unpublished:
+            return None
+        changed = self._move(status)
+        if changed is None:
+            return None
+        self.state_unpublished = False  # the writer keeps it until Redis has it
+        return StateWrite(self.state, changed)

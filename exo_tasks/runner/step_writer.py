@@ -1,6 +1,7 @@
-"""A runner's step writes (its jobs' tokens and endings, the metrics observed with them), sent to
-Redis by a thread of their own while the batch computes its next step: written by the loop's
-own thread, they took a fifth of each decode step (`tiny`, one job, a 2-core CPU).
+"""A runner's step writes (its jobs' tokens and endings, the metrics observed with them, and the
+runner's state when its jobs came or went), sent to Redis by a thread of their own while the
+batch computes its next step: written by the loop's own thread, they took a fifth of each
+decode step (`tiny`, one job, a 2-core CPU).
 
 The writes keep their order: the thread takes every step waiting and writes them as one
 (`write_step`: one transaction, a job's tokens before its end). A write Redis refused is kept,
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from exo_tasks import metrics
+from exo_tasks.store.client import PipelineWrite
 from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.types import JobRecord, TokenEvent
 
@@ -35,6 +38,7 @@ class StepWrites(Protocol):
         endings: list[JobRecord],
         hints: list[PrefixHint],
         mark: str,
+        after: Sequence[PipelineWrite] = (),
     ) -> None: ...
 
     def step_written(self, runner_id: str, mark: str) -> bool: ...
@@ -48,6 +52,7 @@ class Step:
     observations: metrics.Observations = field(default_factory=metrics.Observations)
     endings: list[JobRecord] = field(default_factory=list)
     hints: list[PrefixHint] = field(default_factory=list)  # what its succeeded jobs left cached
+    after: list[PipelineWrite] = field(default_factory=list)  # the runner's state, after its jobs
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def then(self, later: Step) -> Step:
@@ -56,6 +61,7 @@ class Step:
         self.observations.absorb(later.observations)
         self.endings += later.endings
         self.hints += later.hints
+        self.after += later.after
         return self
 
 
@@ -123,7 +129,7 @@ class StepWriter:
             if retry and self.jobs.step_written(self.runner_id, step.mark):
                 return None  # it landed; only its reply was lost
             args = (step.tokens, step.observations, step.endings, step.hints, step.mark)
-            self.jobs.write_step(self.runner_id, *args)
+            self.jobs.write_step(self.runner_id, *args, after=step.after)
         except Exception as exc:  # noqa: BLE001 (raised on the loop's thread at its next check)
             return exc
         return None

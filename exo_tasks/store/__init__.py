@@ -25,6 +25,7 @@ import redis
 
 from exo_tasks.store.batches import BatchRecords
 from exo_tasks.store.client import ScriptCall, connect, redis_waits
+from exo_tasks.store.direct_tasks import DirectTasks
 from exo_tasks.store.files import FileRecords
 from exo_tasks.store.hosts import HostRecords
 from exo_tasks.store.instances import InstanceRecords
@@ -72,6 +73,7 @@ class Store:
         self.instances = InstanceRecords(client)
         self.files = FileRecords(client)
         self.batches = BatchRecords(client)
+        self.direct_tasks = DirectTasks(client)
 
     @classmethod
     def from_url(cls, url: str, *, job_ttl_s: int = 24 * 3600) -> Store:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
-from exo_tasks.errors import is_out_of_memory
+from exo_tasks.errors import is_out_of_memory, redis_unreachable
 from exo_tasks.redis_sentinel import Sentinels, is_sentinel_url
 
 
@@ -37,8 +37,9 @@ def connect(url: str, *, max_connections: int | None = None) -> redis.Redis:
 
 def redis_waits(exc: BaseException) -> bool:
     """Redis is unreachable, or full (it refuses writes until keys expire): the writer keeps
-    what it owes Redis and tries again, rather than failing its jobs."""
-    return isinstance(exc, redis.ConnectionError | redis.TimeoutError) or is_out_of_memory(exc)
+    what it owes Redis and tries again, rather than failing its jobs. Also as the cause of
+    kombu's error: a Celery message that could not be sent."""
+    return redis_unreachable(exc) or is_out_of_memory(exc)
 
 
 # The head of every script that takes its arguments by name (`named`): ARGV read into the table
@@ -52,6 +53,13 @@ local function one_of(value, set)
 end
 """
 Arg = str | int | float
+
+
+class PipelineWrite(Protocol):
+    """A write queued on a pipeline, to go in one round trip with others (a script's call, a
+    runner's state)."""
+
+    def queue_on(self, pipe: Any) -> None: ...
 
 
 @dataclass(frozen=True)

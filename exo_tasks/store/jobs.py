@@ -9,7 +9,7 @@ others are no-ops: a job never ends twice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -19,7 +19,7 @@ from config.celery import PRIORITY_CLASSES
 from exo_tasks import fairness, lifecycle, metrics
 from exo_tasks.broker import WITHDRAW, queue_lists
 from exo_tasks.fleet_types import RunnerState
-from exo_tasks.store.client import Arg, RedisPart, ScriptCall, named, one_set
+from exo_tasks.store.client import Arg, PipelineWrite, RedisPart, ScriptCall, named, one_set
 from exo_tasks.store.hosts import PrefixHint
 from exo_tasks.store.job_scripts import CREATE_UNLESS_FULL, TRANSITION
 from exo_tasks.store.keys import (
@@ -174,16 +174,17 @@ class JobRecords(RedisPart):
         self, status: str | None = None, limit: int = 50, before: str | None = None
     ) -> list[JobRecord] | None:
         """Recent jobs, newest first, from the one after job `before` if given (None if that
-        job is not among the recent ones)."""
+        job is not among the recent ones). Queued or running ones are looked for among the
+        active jobs alone, not in every recent record (up to RECENT_JOBS_KEPT of them)."""
         jobs: list[JobRecord] = []
         start = self.start_after(RECENT_JOBS, before)
         if start is None:
             return None
-        while len(jobs) < limit:
-            ids = self.redis.zrevrange(RECENT_JOBS, start, start + limit * 2 - 1)
-            if not ids:
+        active = status is not None and not JobStatus(status).is_terminal
+        pages = self._active_pages if active else self._recent_pages
+        for ids in pages(start, limit * 2):
+            if len(jobs) >= limit:
                 break
-            start += len(ids)
             for job_id, raw in zip(ids, self._raw_records(ids), strict=True):
                 if raw is None:
                     continue
@@ -195,6 +196,25 @@ class JobRecords(RedisPart):
                 if status is None or job.status == status:
                     jobs.append(job)
         return jobs[:limit]
+
+    def _recent_pages(self, start: int, size: int) -> Iterator[list[str]]:
+        """The recent jobs' ids from rank `start` of the newest-first index, `size` at a time."""
+        while ids := self.redis.zrevrange(RECENT_JOBS, start, start + size - 1):
+            yield ids
+            start += len(ids)
+
+    def _active_pages(self, start: int, size: int) -> Iterator[list[str]]:
+        """The active jobs' ids from rank `start` of the same index, in its order, `size` at a
+        time."""
+        ids = list(self.redis.smembers(ACTIVE_JOBS))
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.zrevrank(RECENT_JOBS, job_id)
+        # A job gone from the index (past RECENT_JOBS_KEPT newer ones) has no rank: not listed.
+        ranked = [(r, j) for r, j in zip(pipe.execute(), ids, strict=True) if r is not None]
+        ordered = [j for r, j in sorted(ranked) if r >= start]
+        for at in range(0, len(ordered), size):
+            yield ordered[at : at + size]
 
     def records(self, job_ids: Iterable[str]) -> list[JobRecord | None]:
         """Jobs' records in one round trip."""
@@ -249,14 +269,16 @@ class JobRecords(RedisPart):
         endings: list[JobRecord],
         hints: list[PrefixHint],
         mark: str,
+        after: Sequence[PipelineWrite] = (),
     ) -> None:
         """A runner's step in one round trip: its tokens and metrics, the prompt prefixes its
         succeeded jobs left in its cache, then the jobs it ended (each written, with its
-        metrics, only if still active: first writer wins) and their release. One transaction:
-        a reader blocked on a job's stream wakes once, with the step's token and the job's end
-        together, a job read as ended is counted, and a conversation's next turn sent as its
-        last one ends already finds its prefixes' host. `mark` is written with it:
-        `step_written` tells whether a write that failed landed."""
+        metrics, only if still active: first writer wins) and their release, then `after`
+        (the runner's state, which follows its jobs). One transaction: a reader blocked on a
+        job's stream wakes once, with the step's token and the job's end together, a job read
+        as ended is counted, and a conversation's next turn sent as its last one ends already
+        finds its prefixes' host. `mark` is written with it: `step_written` tells whether a
+        write that failed landed."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(runner_key(runner_id, "step"), mark, ex=self.job_ttl_s)
         for job_id, token in tokens:
@@ -273,6 +295,8 @@ class JobRecords(RedisPart):
             args = self._transition_args(lifecycle.write_ending(job))
             pipe.eval(TRANSITION, 4, *transition_keys(job.id), *args)
             pipe.srem(runner_key(runner_id, "jobs"), job.id)
+        for write in after:
+            write.queue_on(pipe)
         pipe.execute()
         observations.clear()
 

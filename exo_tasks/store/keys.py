@@ -12,6 +12,9 @@ ACTIVE_JOBS = f"{PREFIX}:jobs:active"
 RUNNERS = f"{PREFIX}:runners"
 HOSTS = f"{PREFIX}:hosts"
 RECOVERY_LEASE = f"{PREFIX}:recovery:lease"
+# The jobs handed over directly whose task is yet to be sent, scored by when it is due
+# (exo_tasks.direct).
+DIRECT_TASKS_DUE = f"{PREFIX}:direct:due"
 # Instance ids (exo_tasks.instances).
 INSTANCES = f"{PREFIX}:instances"
 

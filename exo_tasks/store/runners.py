@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from pydantic import TypeAdapter, ValidationError
@@ -17,6 +18,7 @@ from exo_tasks.store.client import NAMED_ARGS, RedisPart, ScriptCall, named, one
 from exo_tasks.store.job_scripts import leave_waiting
 from exo_tasks.store.jobs import JobRecords
 from exo_tasks.store.keys import (
+    DIRECT_TASKS_DUE,
     RUNNERS,
     job_key,
     runner_key,
@@ -27,12 +29,14 @@ RUNNER_HISTORY_KEPT = 50
 
 _command_adapter: TypeAdapter[RunnerCommand] = TypeAdapter(RunnerCommand)
 
-# KEYS: job hash, the runner's jobs, the runner's inbox, then the jobs of every runner on its
-# host (`room` > 0 only). Arguments (NAMED_ARGS): `record`, the job's as running; `job_id`;
+# KEYS: job hash, the runner's jobs, the runner's inbox, the direct tasks due, then the jobs of
+# every runner on its host (`room` > 0 only). Arguments (NAMED_ARGS): `record`, the job's as
+# running; `job_id`;
 # `command`, the submit command; `owner`, the worker incarnation that now owns it; `attempt`,
 # the job's (its requeues so far); `runner_id`; `status`, the new one; `allowed_from`, the
 # statuses it may move from (exo_tasks.lifecycle, `one_set`); `room`, the most jobs the runner
-# may hold already (0: no limit), and `host_room` the most its host's runners may hold together.
+# may hold already (0: no limit), and `host_room` the most its host's runners may hold together;
+# `task_due`, when the task of a job handed over directly is due (0: its task is sent anyway).
 # A queued job is marked running, counted as the runner's and put in its inbox at once; a job
 # no longer queued (cancelled meanwhile), or one for a runner or host without room, is left
 # alone.
@@ -44,7 +48,7 @@ if not one_of(current, a.allowed_from) then return 0 end
 if tonumber(a.room) > 0 then
   if redis.call('SCARD', KEYS[2]) >= tonumber(a.room) then return 0 end
   local on_host = 0
-  for i = 4, #KEYS do on_host = on_host + redis.call('SCARD', KEYS[i]) end
+  for i = 5, #KEYS do on_host = on_host + redis.call('SCARD', KEYS[i]) end
   if on_host >= tonumber(a.host_room) then return 0 end
 end
 {leave_waiting("a.status", "a.job_id")}
@@ -52,6 +56,7 @@ redis.call('HSET', KEYS[1], 'status', a.status, 'record', a.record)
 redis.call('HSET', KEYS[1], 'owner', a.owner, 'runner', a.runner_id, 'attempt', a.attempt)
 redis.call('SADD', KEYS[2], a.job_id)
 redis.call('RPUSH', KEYS[3], a.command)
+if tonumber(a.task_due) > 0 then redis.call('ZADD', KEYS[4], a.task_due, a.job_id) end
 return 1
 """
 )
@@ -92,6 +97,24 @@ class UnreadableCommand:
         return cls(job_id if isinstance(job_id, str) else None, problems)
 
 
+@dataclass(frozen=True)
+class StateWrite:
+    """A runner's state published: its record, and a line of its history if its status changed.
+    Alone (`RunnerRecords.publish`) or after its step's writes, in their round trip."""
+
+    state: RunnerState
+    status_changed: bool = True
+
+    def queue_on(self, pipe: Any) -> None:
+        state = self.state
+        pipe.set(runner_key(state.id), state.model_dump_json())
+        pipe.sadd(RUNNERS, state.id)
+        if self.status_changed:
+            change = StatusChange(status=state.status, at=state.updated_at, error=state.error)
+            pipe.lpush(runner_key(state.id, "history"), change.model_dump_json())
+            pipe.ltrim(runner_key(state.id, "history"), 0, RUNNER_HISTORY_KEPT - 1)
+
+
 class RunnerRecords(RedisPart):
     """Runner states, inboxes and the jobs handed to runners (which `jobs` ends or requeues
     when their runner is gone)."""
@@ -102,12 +125,7 @@ class RunnerRecords(RedisPart):
 
     def publish(self, state: RunnerState, *, status_changed: bool = True) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.set(runner_key(state.id), state.model_dump_json())
-        pipe.sadd(RUNNERS, state.id)
-        if status_changed:
-            change = StatusChange(status=state.status, at=state.updated_at, error=state.error)
-            pipe.lpush(runner_key(state.id, "history"), change.model_dump_json())
-            pipe.ltrim(runner_key(state.id, "history"), 0, RUNNER_HISTORY_KEPT - 1)
+        StateWrite(state, status_changed).queue_on(pipe)
         pipe.execute()
 
     def get(self, runner_id: str) -> RunnerState | None:
@@ -132,10 +150,14 @@ class RunnerRecords(RedisPart):
         (None: no limit)."""
         return bool(self.run(self.handing(runner_id, command, room)))
 
-    def handing(self, runner_id: str, command: SubmitJob, room: Room | None = None) -> ScriptCall:
-        """`hand_over`'s script call, to run with others (Store.create)."""
+    def handing(
+        self, runner_id: str, command: SubmitJob, room: Room | None = None, task_due: float = 0
+    ) -> ScriptCall:
+        """`hand_over`'s script call, to run with others (Store.create). `task_due`: when the
+        task of a job handed over directly is due (Store.direct_tasks), 0 if it is sent anyway."""
         job = command.job
         keys = [job_key(job.id), runner_key(runner_id, "jobs"), runner_key(runner_id, "inbox")]
+        keys.append(DIRECT_TASKS_DUE)
         if room is not None:
             keys += [runner_key(other, "jobs") for other in room.host_runners]
         args = named(
@@ -149,6 +171,7 @@ class RunnerRecords(RedisPart):
             allowed_from=one_set(lifecycle.HAND_OVER_FROM),
             room=room.runner if room is not None else 0,
             host_room=room.host if room is not None else 0,
+            task_due=task_due,
         )
         return ScriptCall(HAND_OVER, keys, args)
 

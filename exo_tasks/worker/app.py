@@ -92,6 +92,7 @@ class RunnerSupervisorStep(bootsteps.StartStopStep):
             store,
             Broker(store.redis, app.connection_for_write),
             lambda job: jobs.resend(store, app, settings, job),
+            lambda job_id: jobs.send_direct_task(store, app, settings, job_id),
             host=settings.hostname,
             incarnation=app.incarnation,
             # A task waits this long at most for its runner before it hands the job over.

@@ -19,6 +19,7 @@ from celery import Task, states
 from celery.exceptions import Ignore
 from kombu.exceptions import KombuError
 
+from exo_tasks import task_results
 from exo_tasks.celery_app import exo_app
 from exo_tasks.store import Store
 from exo_tasks.types import JobEnding, JobRecord, JobStatus
@@ -103,13 +104,7 @@ def finish(
         raise JobEnded(_failure(task, job)) from None
     if not job.is_terminal:
         raise Ignore()
-    return {
-        "job_id": job.id,
-        "status": job.status,
-        "finish_reason": job.output.finish_reason,
-        "tokens": job.usage.completion_tokens,
-        "runner": job.runner_id,
-    }
+    return task_results.succeeded(job)
 
 
 def _failure(task: Task[Any, Any], job: JobEnding) -> str:

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import requests
 
+from exo_tasks.naming import host_queue, model_queue
 from exo_tasks.recovery import HEARTBEAT_TTL_S
-from exo_tasks.store import Store
+from exo_tasks.store import Store, runner_key
 from exo_tasks.types import TERMINAL_JOB_STATUSES
 from tests.support.api import Api, api_settings, serving
 from tests.support.processes import (
@@ -104,33 +105,31 @@ KILL_9_JOBS = 100
 def test_kill_9_of_a_worker_while_it_fetches_loses_none(chaos: Chaos, reliability: Report) -> None:
     victim = chaos.worker("chaos-a", worker_concurrency=34)
     chaos.worker("chaos-b", worker_concurrency=34)
-    # More jobs than the two workers' 68 pool children, so messages are still queued.
-    ids = submit_many(chaos.api, KILL_9_JOBS, max_tokens=48, ignore_eos=True)
-    # Kill at the worst moment: jobs run on the victim while messages are still being fetched
-    # (kombu pops a message before it records it as unacknowledged: one killed in between is
-    # in no queue at all).
-    # The records in one round trip a look: read one by one (100 round trips), a look took
-    # longer on a loaded machine than the victim's jobs of 48 tokens ran, and missed them all.
-    wait_until(
-        lambda: (
-            sum(
-                1
-                for job in chaos.store.jobs.records(ids)
-                if job is not None and job.runner_id == "tiny@chaos-a" and job.status == "running"
-            )
-            >= 3
-        ),
-        20,
-        "jobs running on the victim",
-        interval_s=0.01,
-    )
-    waiting = chaos.store.jobs.queue_depth("exo.model.tiny")
-    runner_pid = chaos.store.runners.get("tiny@chaos-a").pid  # type: ignore[union-attr]
-    assert runner_pid is not None
-    killed = time.monotonic()
-    victim.process.send_signal(signal.SIGKILL)
-    wait_until(lambda: has_exited(runner_pid), 5, "the victim's runner to exit")
-    runner_gone_s = time.monotonic() - killed
+    # More jobs than the two workers' 68 pool children, still being sent as the kill comes.
+    # (Sent first and the victim watched after, on a loaded machine the jobs had all ended
+    # before the last was sent, and the kill never came.)
+    with ThreadPoolExecutor(1) as sender:
+        sending = sender.submit(submit_many, chaos.api, KILL_9_JOBS, max_tokens=48, ignore_eos=True)
+        # Kill at the worst moment: jobs run on the victim while messages are still being
+        # fetched (kombu pops a message before it records it as unacknowledged: one killed in
+        # between is in no queue at all), the model's and the victim's own (a job handed to
+        # its runner directly has its message there), and jobs are still handed to it.
+        victim_jobs = runner_key("tiny@chaos-a", "jobs")
+        wait_until(
+            lambda: chaos.store.redis.scard(victim_jobs) >= 3,
+            20,
+            "jobs running on the victim",
+            interval_s=0.01,
+        )
+        queues = (model_queue("tiny"), host_queue("chaos-a"))
+        waiting = sum(chaos.store.jobs.queue_depth(queue) for queue in queues)
+        runner_pid = chaos.store.runners.get("tiny@chaos-a").pid  # type: ignore[union-attr]
+        assert runner_pid is not None
+        killed = time.monotonic()
+        victim.process.send_signal(signal.SIGKILL)
+        wait_until(lambda: has_exited(runner_pid), 5, "the victim's runner to exit")
+        runner_gone_s = time.monotonic() - killed
+        ids = sending.result(timeout=60)
     # Heartbeat expiry (10 s) + the requeue bound (15 s) + the jobs themselves.
     jobs = chaos.outcome(ids, timeout_s=90)
     drained_s = time.monotonic() - killed

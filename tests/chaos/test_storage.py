@@ -126,7 +126,9 @@ def test_clients_filling_redis_leave_room_for_the_fleet(
         assert api.wait_job(to_cancel)["status"] == "cancelled"
         job = api.wait_job(bystander.job_id)
         bystander.reader.join(30)
-        assert job["status"] == "succeeded" and bystander.ending["status"] == "succeeded"
+        assert job["status"] == "succeeded"
+        # Its stream's last event (an `error` event, if it fell too far behind, has no status).
+        assert bystander.ending.get("status") == "succeeded", bystander.ending
         assert "".join(bystander.tokens) == job["output"]["text"] and len(bystander.tokens) == 3000
         used, limit = store.metrics.memory()
         assert used < limit

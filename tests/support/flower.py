@@ -58,7 +58,8 @@ class Flower:
 
 
 def running_flower(stack: Stack, data_dir: Path, workers: tuple[str, ...]) -> Iterator[Flower]:
-    """Flower on the stack's Redis, once it sees `workers` online; stopped after."""
+    """Flower on the stack's Redis, once it sees `workers` online and knows their queues;
+    stopped after."""
     processes = Processes()
     port = free_port()
     env = exo_env(
@@ -79,8 +80,15 @@ def running_flower(stack: Stack, data_dir: Path, workers: tuple[str, ...]) -> It
         # Seen through worker heartbeat events: Flower's event receiver is running.
         return alive if all(alive.get(worker) for worker in workers) else None
 
+    def knows_queues() -> bool:
+        # From Flower's own inspection, which may come later under load: its Broker page
+        # (/api/queues/length) lists only the queues it read there.
+        known: dict[str, dict[str, Any]] = flower.get("/api/workers", auth=AUTH).json()
+        return all(known.get(worker, {}).get("active_queues") for worker in workers)
+
     try:
         wait_until(online, 30, "Flower to see the workers online", interval_s=0.3)
+        wait_until(knows_queues, 30, "Flower to know the workers' queues", interval_s=0.3)
         yield flower
     finally:
         processes.stop_all()

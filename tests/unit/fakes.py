@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, cast
@@ -22,7 +22,9 @@ from exo_tasks.commands import RunnerCommand, SubmitJob, SupervisorRequest
 from exo_tasks.fleet_types import RunnerState, RunnerStatus
 from exo_tasks.recovery import host_of
 from exo_tasks.store import Store
+from exo_tasks.store.client import PipelineWrite
 from exo_tasks.store.hosts import PrefixHint
+from exo_tasks.store.runners import StateWrite
 from exo_tasks.types import (
     DoneEvent,
     FinishReason,
@@ -287,6 +289,7 @@ class RunnerWrites:
         self.steps: list[tuple[list[tuple[str, TokenEvent]], list[JobRecord]]] = []
         self.step_marks: list[str] = []
         self.hints: list[PrefixHint] = []
+        self.round_trips: list[str] = []  # "step" or "state", as each write went
         self.down = False
         self.runners = _StatePublisher(self)
         self.jobs = _StepWriter(self)
@@ -302,6 +305,7 @@ class _StatePublisher:
 
     def publish(self, state: RunnerState, *, status_changed: bool = True) -> None:
         self.writes.reach()
+        self.writes.round_trips.append("state")
         self.writes.published.append(state)
 
 
@@ -317,11 +321,15 @@ class _StepWriter:
         endings: list[JobRecord],
         hints: list[PrefixHint],
         mark: str,
+        after: Sequence[PipelineWrite] = (),
     ) -> None:
         self.writes.reach()
+        self.writes.round_trips.append("step")
         self.writes.steps.append((list(tokens), list(endings)))
         self.writes.hints += hints
         self.writes.step_marks.append(mark)
+        # The runner's state goes with its step (a StateWrite): kept as publish keeps it.
+        self.writes.published += [write.state for write in after if isinstance(write, StateWrite)]
 
     def step_written(self, runner_id: str, mark: str) -> bool:
         self.writes.reach()

@@ -1,14 +1,16 @@
-"""Which runner takes a job as it is submitted (exo_tasks.direct.pick): pure, on a fleet built
-here. The hand-over itself, its room check in Redis and what a worker does with such a job are
-tests/test_direct.py's."""
+"""Which runner takes a job as it is submitted (exo_tasks.direct.pick), and when a short job's
+task is due: pure, on a fleet built here. The hand-over itself, its room check in Redis and what
+a worker does with such a job are tests/test_direct.py's."""
 
 from __future__ import annotations
+
+import time
 
 from exo_tasks import direct
 from exo_tasks.fleet import Fleet
 from exo_tasks.fleet_types import HostState, RunnerState, RunnerStatus
 from exo_tasks.store.runners import Room
-from exo_tasks.types import utcnow
+from exo_tasks.types import JobRequest, utcnow
 from tests.unit.fakes import settings
 
 
@@ -72,3 +74,14 @@ def test_a_host_whose_worker_names_no_incarnation_gets_no_direct_job() -> None:
 def test_the_setting_off_hands_every_job_to_its_task() -> None:
     off = settings(direct_hand_over=False)
     assert direct.pick(fleet(("a", 0, READY)), off, "m", None) is None
+
+
+def test_a_short_jobs_task_is_due_after_the_delay_and_any_other_at_once() -> None:
+    delay_ms = settings().direct_task_delay_ms
+    short = JobRequest(prompt="p", max_tokens=direct.SHORT_JOB_TOKENS)
+    before = time.time()
+    due = direct.task_due(settings(), short)
+    assert before + delay_ms / 1000 <= due <= time.time() + delay_ms / 1000
+    longer = JobRequest(prompt="p", max_tokens=direct.SHORT_JOB_TOKENS + 1)
+    assert direct.task_due(settings(), longer) == 0
+    assert direct.task_due(settings(direct_task_delay_ms=0), short) == 0

@@ -12,7 +12,9 @@ from kombu.exceptions import OperationalError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from redis.sentinel import MasterNotFoundError
 
+from config.settings import Settings
 from exo_tasks.api import errors as funnel
+from exo_tasks.celery_app import INFERENCE_TASK, ExoCelery
 from exo_tasks.errors import (
     ExoError,
     NotFound,
@@ -20,6 +22,8 @@ from exo_tasks.errors import (
     Unauthorized,
     render,
 )
+from exo_tasks.store import redis_waits
+from tests.support.processes import free_port
 
 
 class Body(BaseModel):
@@ -101,3 +105,14 @@ def test_redis_gone_or_without_a_master_says_when_to_come_back() -> None:
         status, body, headers = render(error, openai=False)
         assert (status, body["error"]["type"]) == (503, "unavailable")
         assert int(headers["Retry-After"]) > 0
+
+
+def test_a_message_celery_could_not_send_for_redis_is_redis_away_to_the_loops_that_wait() -> None:
+    """kombu re-raises Redis's connection error as its own: the batch feeder (and every loop
+    that waits Redis out) must take that for Redis away, not fail the batch whose line it sent.
+    A real send, to a port nobody listens on."""
+    settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", _env_file=None)
+    with pytest.raises(OperationalError) as unsent:
+        ExoCelery(settings, role="test").send_task(INFERENCE_TASK, args=["j", "m"], queue="q")
+    assert redis_waits(unsent.value)
+    assert not redis_waits(OperationalError("a kombu error of its own"))

@@ -79,12 +79,13 @@ class TestPublish:
         assert box.state_unpublished
         store.down = False
         box.flush(stopping=False)
-        assert [s.status for s in store.published] == [RS.READY]
         assert not box.state_unpublished
+        box.drain()
+        assert [s.status for s in store.published] == [RS.READY]
 
 
 class TestFlush:
-    def test_tokens_and_endings_go_in_one_write_then_the_runners_state(
+    def test_tokens_and_endings_then_the_runners_state_go_in_one_write(
         self, store: RunnerWrites, jobs: Jobs, clock: FakeClock
     ) -> None:
         box = outbox(store, jobs)
@@ -92,10 +93,13 @@ class TestFlush:
         box.jobs_changed()
         box.tokens.append(("j1", token()))
         box.flush(stopping=False)
-        # With the tokens, at once: the job's state does not wait STATE_DELAY_S then.
+        assert box.tokens == [] and box.endings == []
+        box.drain()
+        # With the tokens, at once (the job's state does not wait STATE_DELAY_S then), and in
+        # their round trip: the loop waits for neither.
         assert [len(tokens) for tokens, _ in store.steps] == [1]
         assert [s.status for s in store.published] == [RS.RUNNING]
-        assert box.tokens == [] and box.endings == []
+        assert store.round_trips == ["step"]
 
     def test_jobs_that_come_and_go_without_a_write_are_published_after_state_delay_s(
         self, store: RunnerWrites, jobs: Jobs, clock: FakeClock
@@ -107,6 +111,7 @@ class TestFlush:
         assert store.published == []  # too soon: a job that starts and ends costs no write
         clock.sleep(outbox_module.STATE_DELAY_S)
         box.flush(stopping=False)
+        box.drain()
         assert [(s.status, s.active_jobs) for s in store.published] == [(RS.RUNNING, 1)]
 
     def test_a_job_that_came_and_went_between_two_flushes_costs_no_write(
@@ -127,6 +132,7 @@ class TestFlush:
         box.jobs_changed()
         box.endings.append(new_job())
         box.flush(stopping=True)
+        box.drain()
         assert [(s.status, s.active_jobs) for s in store.published] == [(RS.SHUTTING_DOWN, 1)]
 
     def test_what_redis_refused_is_kept_and_delivered_in_order_once_it_is_back(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -33,9 +35,11 @@ class SlowRedis:
         self.down = False
         self.reply_lost = False
         self.mark = ""
+        self.after: list[list[Any]] = []  # what each write carried after its steps
 
-    def write_step(self, runner_id: str, *step: Any) -> None:
+    def write_step(self, runner_id: str, *step: Any, after: Sequence[Any] = ()) -> None:
         tokens, observations, endings, _hints, mark = step
+        self.after.append(list(after))
         self.writing.set()
         assert self.gate.wait(WAIT_S)
         if self.down:
@@ -62,11 +66,23 @@ class CountingPipe:
         self.total += amount
 
 
-def step(*indices: int, ended: JobRecord | None = None) -> Step:
+@dataclass(frozen=True)
+class StateOf:
+    """A write that goes after a step's (the runner's state, in the runner)."""
+
+    name: str
+
+    def queue_on(self, pipe: Any) -> None:
+        pass
+
+
+def step(*indices: int, ended: JobRecord | None = None, then: str | None = None) -> Step:
     observations = metrics.Observations()
     observations.inc(metrics.PREFIX_CACHE_HITS, len(indices), model="tiny")
     tokens = [("j1", TokenEvent(index=i, text="x")) for i in indices]
-    return Step(tokens, observations, [ended] if ended else [])
+    return Step(
+        tokens, observations, [ended] if ended else [], after=[StateOf(then)] if then else []
+    )
 
 
 @pytest.fixture
@@ -103,13 +119,14 @@ def test_steps_that_wait_are_written_as_one_in_order(slow: SlowRedis, writer: St
     writer.put(step(0))
     assert slow.writing.wait(WAIT_S)
     job = new_job()
-    writer.put(step(1, 2))
-    writer.put(step(3, ended=job))
+    writer.put(step(1, 2, then="running"))
+    writer.put(step(3, ended=job, then="ready"))
     slow.gate.set()
     writer.drain()
     # The two that waited in one write: their tokens in order, then the job's end, and their
-    # metrics added together.
+    # metrics added together; the writes after each step (the runner's state) after all, in order.
     assert slow.written == [([0], [], 1.0), ([1, 2, 3], [job.id], 3.0)]
+    assert slow.after == [[], [StateOf("running"), StateOf("ready")]]
 
 
 def test_a_refused_write_is_kept_before_the_later_ones_and_tried_again_when_asked(
