@@ -175,19 +175,15 @@ class Arrivals:
         return self._board.quiet_from() != BUSY and self._board.streams_open() == 0
 
     def stream_opened(self) -> Callable[[], None]:
-        """Count a stream open until the function returned is called (more calls do nothing)."""
+        """Count a stream open until the function returned is called, once, as the stream's
+        response closes (http.sse_response's on_close)."""
         with self._lock:
             self._board.publish(self._seat, None, opened=1)
-        closed = False
+        return self._stream_closed
 
-        def close() -> None:
-            nonlocal closed
-            with self._lock:
-                if not closed:
-                    closed = True
-                    self._board.publish(self._seat, None, opened=-1)
-
-        return close
+    def _stream_closed(self) -> None:
+        with self._lock:
+            self._board.publish(self._seat, None, opened=-1)
 
     def alone(self, passage: Passage) -> bool:
         """Whether the request of `passage` came to quiet doors and nobody has come since."""

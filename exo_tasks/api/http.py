@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,8 +51,25 @@ def sse_event(event_id: str, name: str, data: Any) -> str:
 
 def sse_response(chunks: Iterator[str], *, on_close: Callable[[], None]) -> Response:
     """A streamed response; `on_close` runs once it has ended, however (the server closes
-    every response, even one whose client left before its first chunk)."""
+    every response, even one whose client left before its first chunk), and only once: it
+    releases what the stream counted."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     response = Response(stream_with_context(chunks), mimetype="text/event-stream", headers=headers)
-    response.call_on_close(on_close)
+    response.call_on_close(_once(on_close))
     return response
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """`action`, run by the first call alone (a response may be closed more than once)."""
+    lock = threading.Lock()
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        with lock:
+            if done:
+                return
+            done = True
+        action()
+
+    return run

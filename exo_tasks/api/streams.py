@@ -231,8 +231,8 @@ class StreamCap:
         self._lock = threading.Lock()
 
     def acquire(self) -> Callable[[], None]:
-        """Count one more stream, or StreamsFull (503) at once; returns its release (safe to
-        call more than once)."""
+        """Count one more stream, or StreamsFull (503) at once; returns its release, for the
+        stream's response to call once it closes (http.sse_response's on_close)."""
         with self._lock:
             if self.open >= self.limit:
                 raise StreamsFull(
@@ -241,16 +241,11 @@ class StreamCap:
                     retry_after_s=STREAMS_FULL_RETRY_AFTER_S,
                 )
             self.open += 1
-        released = False
+        return self._release
 
-        def release() -> None:
-            nonlocal released
-            with self._lock:
-                if not released:
-                    released = True
-                    self.open -= 1
-
-        return release
+    def _release(self) -> None:
+        with self._lock:
+            self.open -= 1
 
 
 def close_connection(environ: dict[str, Any]) -> Callable[[], None]:
