@@ -101,10 +101,17 @@ class Outbox:
         except (redis.ConnectionError, redis.TimeoutError):
             self.state_unpublished = True  # published again once Redis is back
 
-    def _move(self, status: RunnerStatus | None, error: str | None = None) -> bool | None:
-        """Move the state to `status` (None: as it is), with its jobs and the time now; whether
-        its status changed (logged). None: the table refuses the move, and the state stays."""
-        update: dict[str, Any] = {"updated_at": utcnow(), **self.occupancy()._asdict()}
+    def _move(
+        self,
+        status: RunnerStatus | None,
+        error: str | None = None,
+        occupancy: Occupancy | None = None,
+    ) -> bool | None:
+        """Move the state to `status` (None: as it is), with its jobs (`occupancy`, if already
+        read) and the time now; whether its status changed (logged). None: the table refuses
+        the move, and the state stays."""
+        occupancy = self.occupancy() if occupancy is None else occupancy
+        update: dict[str, Any] = {"updated_at": utcnow(), **occupancy._asdict()}
         if status is None:
             self.amend(**update)
             return False
@@ -181,7 +188,7 @@ class Outbox:
         )
         if unchanged and not self.state_unpublished:
             return None
-        changed = self._move(status)
+        changed = self._move(status, occupancy=occupancy)
         if changed is None:
             return None
         self.state_unpublished = False  # the writer keeps it until Redis has it
