@@ -159,8 +159,12 @@ class Outbox:
         owed = bool(self.tokens or self.endings)
         due = self.state_due is not None and (owed or time.monotonic() >= self.state_due)
         self._put(self._jobs_state(stopping) if due or self.state_unpublished else None)
-        with self.waiting():  # at once, unless the last write failed
-            self.writer.check()
+        # A wait only when there is one: a runner that hangs inside a wait counts as silent only
+        # after the wait's own bound (60 s), so a wait marked on every step hid a hang of the
+        # step's loop from the stall watchdog for that long.
+        if self.writer.failed():
+            with self.waiting():
+                self.writer.drain()
 
     def _put(self, state: StateWrite | None = None) -> None:
         """Hand the tokens and endings not yet sent, with the metrics observed since the last

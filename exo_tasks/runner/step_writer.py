@@ -5,9 +5,9 @@ decode step (`tiny`, one job, a 2-core CPU).
 
 The writes keep their order: the thread takes every step waiting and writes them as one
 (`write_step`: one transaction, a job's tokens before its end). A write Redis refused is kept,
-in front of the steps that came after it, and tried again only when the runner asks (`check`,
-`drain`), which raise if it fails again: while Redis is down the runner waits and steps no
-further, as when it wrote its steps itself.
+in front of the steps that came after it, and tried again only when the runner asks (`drain`,
+once `failed` says so), which raises if it fails again: while Redis is down the runner waits and
+steps no further, as when it wrote its steps itself.
 
 A write that failed may have landed all the same: Redis applied it and then the connection
 dropped before its reply (a master killed, a failover), and its replica has it. Each write
@@ -85,12 +85,10 @@ class StepWriter:
             self._thread = threading.Thread(target=self._run, name="step-writer", daemon=True)
             self._thread.start()
 
-    def check(self) -> None:
-        """Return at once, unless the last write failed: then as `drain`."""
+    def failed(self) -> bool:
+        """Whether the last write failed (`drain` tries it again); at once."""
         with self._changed:
-            failed = self._failure is not None
-        if failed:
-            self.drain()
+            return self._failure is not None
 
     def drain(self) -> None:
         """Wait until every step handed over is in Redis (what must follow them, such as a
@@ -130,6 +128,6 @@ class StepWriter:
                 return None  # it landed; only its reply was lost
             args = (step.tokens, step.observations, step.endings, step.hints, step.mark)
             self.jobs.write_step(self.runner_id, *args, after=step.after)
-        except Exception as exc:  # noqa: BLE001 (raised on the loop's thread at its next check)
+        except Exception as exc:  # noqa: BLE001 (raised on the loop's thread at its next drain)
             return exc
         return None

@@ -5,7 +5,10 @@ without a crash."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -157,3 +160,35 @@ def test_amend_changes_the_state_without_publishing(store: RunnerWrites, jobs: J
     box = outbox(store, jobs)
     box.amend(pid=None, model_loads=2)
     assert store.published == [] and (box.state.pid, box.state.model_loads) == (None, 2)
+
+
+def test_a_flush_marks_a_wait_for_redis_only_when_it_waits(
+    store: RunnerWrites, jobs: Jobs, clock: FakeClock
+) -> None:
+    """Inside a wait, silence is no stall until the wait's own bound (60 s): a runner that hung
+    in a wait marked on every step was not seen hung for that long (a SIGSTOPped runner's job
+    in tests/test_shutdown.py, under load)."""
+    waits: list[str] = []
+
+    @contextlib.contextmanager
+    def waiting() -> Iterator[None]:
+        waits.append("wait")
+        yield
+
+    box = Outbox(store, runner(RS.READY), jobs.occupancy, waiting)
+    for index in range(3):
+        box.tokens.append(("j1", token(index)))
+        box.flush(stopping=False)
+    box.writer.drain()
+    assert waits == []  # Redis answered: nothing was waited for
+    store.down = True
+    box.tokens.append(("j1", token(3)))
+    with contextlib.suppress(redis.ConnectionError):  # raised here if the writer was quick
+        box.flush(stopping=False)
+    deadline = time.monotonic() + 5
+    while not box.writer.failed():
+        assert time.monotonic() < deadline, "the refused write never reported"
+        time.sleep(0.01)
+    with pytest.raises(redis.ConnectionError):
+        box.flush(stopping=False)  # the loop asks again: that waits for Redis, marked so
+    assert waits and set(waits) == {"wait"}

@@ -107,7 +107,7 @@ def test_a_step_is_handed_over_without_waiting_for_redis(
     writer.put(step(0))
     assert slow.writing.wait(WAIT_S)
     writer.put(step(1))  # returns while the first write waits
-    writer.check()  # nothing failed: returns at once too
+    assert not writer.failed()  # nothing failed: answered at once too
     assert slow.written == []
     slow.gate.set()
     writer.drain()
@@ -137,12 +137,13 @@ def test_a_refused_write_is_kept_before_the_later_ones_and_tried_again_when_aske
     with pytest.raises(redis.ConnectionError):
         writer.drain()
     writer.put(step(1))
+    assert writer.failed()
     with pytest.raises(redis.ConnectionError):  # still down: tried again, refused again
-        writer.check()
+        writer.drain()
     assert slow.written == []
     slow.down = False
-    writer.check()  # the loop asks again: delivered, in order (the refused one alone first)
-    writer.drain()
+    assert writer.failed()
+    writer.drain()  # the loop asks again: delivered, in order (the refused one alone first)
     assert written(slow) == [[0], [1]]
 
 
