@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,3 +84,35 @@ def test_sigterm_while_the_workers_boot_stops_the_api_within_half_its_bound(
     elapsed = time.monotonic() - started
     print(f"SIGTERM as the workers boot: the API's processes gone in {elapsed:.2f}s")
     assert elapsed < API_STOP_S / 2
+
+
+# The moment the boot test above can only hit by chance: a SIGTERM that reaches a worker inside
+# its fork, before anything of gunicorn runs in it. Sent by a hook that runs there, before the
+# API's own; the master's handler is a stand-in that takes the signal and does nothing with it,
+# as gunicorn's queues it for a master that is not in the worker.
+FORKED_AS_SIGTERM_COMES = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: None)
+os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+from exo_tasks.api import gunicorn_conf  # the master's configuration, as gunicorn loads it
+pid = os.fork()
+if pid == 0:
+    time.sleep(5)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+"""
+
+
+def test_a_sigterm_that_comes_as_a_worker_is_forked_ends_the_worker(tmp_path: Path) -> None:
+    env = exo_env(api_port=free_port(), data_dir=tmp_path)
+    ended = subprocess.run(
+        [sys.executable, "-c", FORKED_AS_SIGTERM_COMES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ended.returncode == 0, ended.stderr
+    # Ended by the signal, not after its 5 s.
+    assert ended.stdout.strip() == str(int(signal.SIGTERM)), ended.stdout

@@ -2,6 +2,7 @@
 from the project's Settings."""
 
 import importlib
+import os
 import signal
 import sys
 from typing import Any
@@ -36,6 +37,30 @@ GEVENT_PATCH_MODULES = (
 )
 for _module in GEVENT_PATCH_MODULES:
     importlib.import_module(_module)
+
+
+def _hold_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _release_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _worker_takes_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _release_sigterm()
+
+
+# A worker just forked has the master's signal handlers until gunicorn installs its own (after
+# gevent's patching), and they queue a signal for a master that is not in this process: a
+# SIGTERM then was lost, and the worker booted on and held the API's stop until
+# graceful_timeout (5 s, past the stack's 2 s). Until then SIGTERM ends it at once: it holds
+# nothing yet. The signal is held across the fork itself, so that one sent to the new worker
+# before its handler is reset waits for that, not for the master's handler.
+os.register_at_fork(
+    before=_hold_sigterm, after_in_parent=_release_sigterm, after_in_child=_worker_takes_sigterm
+)
 _settings = Settings()
 # The doors of this host's API processes (see arrivals.py), made here, in the master, so that
 # every worker it forks shares it: a seat for each worker and for its replacement, which a
@@ -57,15 +82,6 @@ keepalive = 5
 def pre_fork(server: Any, worker: Any) -> None:
     worker.arrivals_board = _seating.board
     worker.arrivals_seat = _seating.seat()
-
-
-def post_fork(server: Any, worker: Any) -> None:
-    """In a worker just forked: until gunicorn installs the worker's own signal handlers (after
-    gevent's patching), it has the master's, which queue a signal for a master that is not in
-    this process: a SIGTERM then was lost, and the worker booted on and held the API's stop
-    until graceful_timeout (5 s, past the stack's 2 s). Until then SIGTERM ends it at once: it
-    holds nothing yet."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def child_exit(server: Any, worker: Any) -> None:
