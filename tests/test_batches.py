@@ -143,7 +143,10 @@ def test_cancel_midway_keeps_finished_lines(client: openai.OpenAI) -> None:
 
     wait_status_by(some_done, 90)
     cancelling = client.batches.cancel(batch.id)
-    assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+    # Read again after its jobs in flight were cancelled: on a loaded machine the feeder may
+    # have ended it by then.
+    assert cancelling.status in ("cancelling", "cancelled"), cancelling.status
+    assert cancelling.cancelling_at is not None
     began = time.monotonic()
     ended = wait_status(client, batch.id, ENDED, 30)
     took = time.monotonic() - began

@@ -138,7 +138,9 @@ def test_each_job_keeps_its_own_sampling_inside_one_batch(
         completion: Completion = client.completions.create(
             model="tiny",
             prompt="Once upon a time",
-            max_tokens=300,
+            # Long enough to overlap however the four requests spread: 300 tokens each ended
+            # before the last one started, beside two busy loops.
+            max_tokens=900,
             extra_body={"ignore_eos": True, **HOST_A},
             **setting,
         )
