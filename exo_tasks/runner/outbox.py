@@ -127,7 +127,7 @@ class Outbox:
     def restate(self) -> None:
         """Publish the runner's state as it is, over what another process wrote of it (a
         recovery loop that took this host for gone): a change of status in the store."""
-        self.amend(updated_at=utcnow(), **self.occupancy()._asdict())
+        self._move(None)
         self._deliver(self.state)
         log.info("runner status %s restated", self.state.status)
 
